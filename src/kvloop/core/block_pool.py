@@ -1,0 +1,176 @@
+"""Device KV blocks: ref counts, an O(1) LRU free queue, and the prefix-cache hash map."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+
+class KVBlock:
+    """One fixed-size slab of KV cache, identified by ``block_id``."""
+
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        """Set while the block is registered in the prefix cache under this hash."""
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop from the head (least recently freed),
+    append at the tail, and remove from the middle, all in O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next
+        if block is self._tail or block is None:
+            raise RuntimeError("no free KV block left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev, block.next
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        prev.next = nxt
+        nxt.prev = prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next = block
+        block.prev = last
+        block.next = self._tail
+        self._tail.prev = block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    """All device blocks.
+
+    NOTE: a block is either free (ref_cnt 0, in the free queue) or owned (ref_cnt equals the
+    number of requests holding it, not in the queue). A free block may keep its hash: it is
+    a cached free block that a prefix hit can revive, evicted lazily (its hash dropped) only
+    when ``get_new_blocks`` hands it out again, in LRU order.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+        """Prefix-cache map: block hash -> the block holding that prefix's KV."""
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks owned by requests (cached free blocks count as free)."""
+        return 1.0 - self.free_queue.num_free / self.num_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take ``n`` free blocks (ref_cnt 1), evicting their cached hashes."""
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
+        out = []
+        popleft = self.free_queue.popleft
+        cached = self.cached
+        for _ in range(n):
+            block = popleft()
+            h = block.block_hash
+            if h is not None:
+                if cached.get(h) is block:
+                    del cached[h]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one owner to each block, reviving cached free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one owner from each block; blocks reaching 0 join the free queue's tail in
+        the given order (so pass the ones to evict first, first)."""
+        append = self.free_queue.append
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Register a full, computed block under its prefix hash (first writer wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            self.cached[block_hash] = block
+            block.block_hash = block_hash
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is owned."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def check_invariants(self, owners: dict[int, int]) -> None:
+        """Assert pool consistency. ``owners`` maps block_id -> number of owning requests."""
+        in_queue = set()
+        for block in self.free_queue:
+            assert block.block_id not in in_queue, f"{block} twice in free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.free_queue.num_free, "free count drifted"
+        for block in self.blocks:
+            n = owners.get(block.block_id, 0)
+            assert block.ref_cnt == n, f"{block} has {n} owners"
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), (
+                f"{block} must be free xor owned"
+            )
+        assert len(in_queue) + sum(1 for b in self.blocks if b.ref_cnt) == self.num_blocks
+        for h, block in self.cached.items():
+            assert block.block_hash == h, f"hash {h} maps to reused {block}"
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert hashed == len(self.cached), "a block keeps a hash the map no longer has"

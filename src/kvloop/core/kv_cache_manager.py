@@ -1,0 +1,190 @@
+"""The scheduler's view of KV memory: per-request block tables, prefix lookups, swapping.
+
+It hides the block pool: the scheduler asks "can this request get slots for n more
+tokens?" and receives block ids; it never touches blocks or ref counts itself.
+"""
+
+from __future__ import annotations
+
+from kvloop.config import CacheConfig
+from kvloop.core.block_pool import BlockPool, KVBlock
+from kvloop.core.request import Request
+
+
+class KVCacheManager:
+    """Paged KV allocation for requests, with prefix caching and a host swap tier."""
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self.block_size = cache_config.block_size
+        self.num_gpu_blocks = cache_config.num_gpu_blocks
+        self.num_cpu_blocks = cache_config.num_cpu_blocks
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.pool = BlockPool(cache_config.num_gpu_blocks, self.enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        """Device block table per running request, in token order."""
+        self._num_registered: dict[str, int] = {}
+        """How many leading blocks of each request were offered to the prefix cache."""
+        self.cpu_free: list[int] = list(range(cache_config.num_cpu_blocks - 1, -1, -1))
+        self.swapped_blocks: dict[str, list[int]] = {}
+        """Host block table per swapped-out request."""
+        # Prefix-cache counters in tokens, kept by the scheduler at admission: first
+        # admissions, and readmissions after a recompute preemption.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.recompute_queries = 0
+        self.recompute_hits = 0
+
+    # -- sizes -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- prefix cache ----------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Cached blocks holding the longest known prefix of the request's tokens.
+
+        NOTE: the last known token is never served from cache: it must be computed to
+        produce the logits of the next token. The scheduler counts queries and hits when
+        it admits the request (a lookup that is not admitted is not counted).
+        """
+        if not self.enable_caching:
+            return []
+        hashes = request.update_block_hashes(self.block_size)
+        limit = (request.num_tokens - 1) // self.block_size
+        cached = self.pool.cached
+        hits: list[KVBlock] = []
+        for h in hashes[:limit]:
+            block = cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_blocks(self, request: Request) -> None:
+        """Offer the request's full, computed blocks to the prefix cache."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_registered.get(rid, 0)
+        if num_full <= done:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        blocks = self.req_blocks[rid]
+        cache_block = self.pool.cache_block
+        for i in range(done, num_full):
+            cache_block(blocks[i], hashes[i])
+        self._num_registered[rid] = num_full
+
+    # -- allocation ------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` after the computed ones; return the ids of the
+        blocks added to the request's table (prefix hits first), or None if they do not fit.
+
+        ``computed_blocks`` (prefix hits) are only given at admission, when the request has
+        no table yet and ``request.num_computed_tokens`` already counts them.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        have = len(blocks) if blocks is not None else 0
+        hits = computed_blocks or ()
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        need -= have + len(hits)
+        if need <= 0 and not hits:
+            return []
+        # Cached free blocks revived by a hit leave the free queue too.
+        revive = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(need, 0) + revive > self.pool.free_queue.num_free:
+            return None
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+        new: list[KVBlock] = []
+        if hits:
+            self.pool.touch(hits)
+            new.extend(hits)
+            self._num_registered[rid] = len(hits)
+        if need > 0:
+            new.extend(self.pool.get_new_blocks(need))
+        blocks.extend(new)
+        return [b.block_id for b in new]
+
+    def free(self, request: Request) -> None:
+        """Release the request's device blocks (tail first, so shared prefixes stay cached
+        longest) and any host blocks it holds."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self._num_registered.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+        host = self.swapped_blocks.pop(rid, None)
+        if host:
+            self.cpu_free.extend(host)
+
+    # -- swapping --------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.req_blocks.get(request.request_id, ())) <= len(self.cpu_free)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the host tier; return (device, host) copy pairs.
+
+        The device blocks are released; their prefix hashes stay cached until evicted.
+        """
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid)
+        self._num_registered.pop(rid, None)
+        if len(blocks) > len(self.cpu_free):
+            raise RuntimeError(f"host tier cannot hold {rid}")
+        host = [self.cpu_free.pop() for _ in blocks]
+        self.swapped_blocks[rid] = host
+        pairs = [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
+        self.pool.free_blocks(reversed(blocks))
+        return pairs
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        host = self.swapped_blocks.get(request.request_id, ())
+        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        return max(total, len(host)) <= self.pool.free_queue.num_free
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring the request's blocks back into fresh device blocks; (host, device) pairs."""
+        rid = request.request_id
+        host = self.swapped_blocks.pop(rid)
+        blocks = self.pool.get_new_blocks(len(host))
+        self.req_blocks[rid] = blocks
+        self._num_registered[rid] = 0
+        self.cpu_free.extend(host)
+        return [(h, b.block_id) for h, b in zip(host, blocks, strict=True)]
+
+    # -- checks ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert the pool and both tiers are consistent with the block tables."""
+        owners: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        self.pool.check_invariants(owners)
+        host = [h for t in self.swapped_blocks.values() for h in t]
+        assert len(host) == len(set(host)), "a host block has two owners"
+        assert not set(host) & set(self.cpu_free), "a host block is free and owned"
+        assert len(host) + len(self.cpu_free) == self.num_cpu_blocks, "host blocks leaked"
+        assert not set(self.req_blocks) & set(self.swapped_blocks), "request on both tiers"

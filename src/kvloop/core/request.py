@@ -1,0 +1,188 @@
+"""A request as the scheduler sees it: tokens, progress, status and timestamps."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from kvloop.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Values >= FINISHED_STOPPED are terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    PREEMPTED = 3  # back in the waiting queue after a recompute preemption
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request finished, named as the OpenAI API names it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One generation request.
+
+    ``prompt_token_ids`` may be any sequence of ints (a list, a ``range``, an ``array``),
+    so simulated workloads need not materialise millions of ids.
+    """
+
+    __slots__ = (
+        "_hash_seed",
+        "arrival_order",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "eos_token_id",
+        "error",
+        "finished_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "num_recomputed_tokens",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "token_times",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = arrival_time
+        self.arrival_order = 0
+        """Tie-breaker among equal arrival times, set by the scheduler on admission."""
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self._hash_seed: int | None = None
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.error: str | None = None
+
+    # -- sizes ---------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens known so far (all of them need KV once computed)."""
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the request may reach: prompt + max_tokens."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _REASONS.get(self.status)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids in ``[start, end)`` over prompt then output, without concatenating."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return list(self.prompt_token_ids[start:end])
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return list(self.prompt_token_ids[start:]) + self.output_token_ids[: end - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids(0, self.num_tokens)
+
+    # -- prefix-cache hashes -------------------------------------------------------
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Extend ``block_hashes`` over every full block of known tokens and return it.
+
+        NOTE: hash i chains the hash of block i-1, the block's token ids and the cache salt,
+        so equal hashes mean equal whole prefixes (up to 64-bit collisions).
+        """
+        hashes = self.block_hashes
+        num_full = self.num_tokens // block_size
+        if len(hashes) < num_full:
+            if self._hash_seed is None:
+                self._hash_seed = _salt_seed(self.cache_salt)
+            parent = hashes[-1] if hashes else self._hash_seed
+            for i in range(len(hashes), num_full):
+                start = i * block_size
+                parent = hash((parent, tuple(self.token_ids(start, start + block_size))))
+                hashes.append(parent)
+        return hashes
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+            f"out={self.num_output_tokens}/{self.max_tokens})"
+        )
+
+
+def _salt_seed(salt: str | None) -> int:
+    """A process-independent integer for the salt (``hash(str)`` is randomised per run)."""
+    if salt is None:
+        return 0x6B766C6F6F70  # "kvloop"
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")

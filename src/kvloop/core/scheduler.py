@@ -1,0 +1,501 @@
+"""The loop's decisions: which requests compute how many tokens in the next step.
+
+One token budget and one sequence cap per step are spent on, in ``decode-first`` order:
+running requests (a decode takes 1 token, a partial prefill its next chunk), swapped-out
+requests coming back, then waiting requests in policy order. ``prefill-first`` admits
+waiting requests before serving running ones. There are no prefill or decode phases: each
+request has ``num_computed_tokens`` and ``num_tokens``, and a step mixes both kinds.
+
+When a running request cannot get a KV slot, a victim (least urgent, latest arrived) is
+preempted by recompute or swap. Under the ``priority`` policy a waiting request may also
+preempt running requests that are strictly less urgent than itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core.interface import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.policy import get_policy
+from kvloop.core.request import Request, RequestStatus
+from kvloop.core.stats import SchedulerStats, StepRecorder
+from kvloop.core.step import StepBuilder, build_step_record
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a paged KV cache."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        recorder: StepRecorder | None = None,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock
+        self.recorder = recorder
+        self.policy = get_policy(scheduler_config.policy)
+        self.kv = KVCacheManager(cache_config)
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request, by id."""
+        self.waiting = self.policy.make_queue()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.stats = SchedulerStats()
+        self.step_index = 0
+        # NOTE: without chunked prefill a prompt is never split, so no chunk cap applies.
+        self._chunk_cap = (
+            scheduler_config.prefill_chunk_cap if scheduler_config.enable_chunked_prefill else 0
+        )
+        self._finished_ids: list[str] = []
+        self._num_added = 0
+        self._step: StepBuilder | None = None
+
+    # -- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it at once with an error if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is not new")
+        error = self._never_fits(request)
+        if error is not None:
+            request.error = error
+            request.status = RequestStatus.FINISHED_ERROR
+            request.finished_time = self.clock()
+            self._count_finished(request)
+            return
+        request.arrival_order = self._num_added
+        self._num_added += 1
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _never_fits(self, request: Request) -> str | None:
+        cfg = self.config
+        total = request.max_total_tokens
+        if total > cfg.max_model_len:
+            return (
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {total} exceeds max_model_len ({cfg.max_model_len})"
+            )
+        blocks = self.kv.blocks_needed(total)
+        if blocks > self.kv.num_gpu_blocks:
+            return (
+                f"request needs {blocks} KV blocks for {total} tokens but the pool has only "
+                f"{self.kv.num_gpu_blocks}"
+            )
+        return None
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state, freeing everything it holds. False if unknown."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish an unfinished request from outside the loop (abort, stop string)."""
+        if not status.finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == _RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return True
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release blocks; the caller has taken it out of its queue."""
+        request.status = status
+        request.finished_time = self.clock()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+        self._count_finished(request)
+
+    def _count_finished(self, request: Request) -> None:
+        reason = request.finish_reason
+        key = reason.value if reason is not None else "unknown"
+        by = self.stats.finished_by_reason
+        by[key] = by.get(key, 0) + 1
+
+    # -- queries ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Must be followed by ``update_from_output``."""
+        if self._step is not None:
+            raise RuntimeError("schedule() called twice without update_from_output()")
+        b = self._step = StepBuilder(self.config.max_num_batched_tokens, self.clock())
+        if self.config.scheduling_order == "decode-first":
+            self._schedule_running(b)
+            self._schedule_swapped(b)
+            self._schedule_waiting(b)
+        else:
+            self._schedule_waiting(b)
+            self._schedule_running(b)
+            self._schedule_swapped(b)
+        out = SchedulerOutput(
+            step=self.step_index,
+            new_requests=b.new_requests,
+            cached_requests=b.cached,
+            num_scheduled_tokens=b.scheduled,
+            total_num_scheduled_tokens=b.total_tokens,
+            blocks_to_swap_out=b.swap_out,
+            blocks_to_swap_in=b.swap_in,
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=[rid for rid, _ in b.preempted],
+            swapped_out_request_ids=[rid for rid, mode in b.preempted if mode == "swap"],
+        )
+        self._finished_ids = []
+        return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        cap = self._chunk_cap
+        if cap and remaining > cap:
+            remaining = cap
+        return remaining if remaining < budget else budget
+
+    def _schedule_running(self, b: StepBuilder) -> None:
+        running = self.running
+        kv = self.kv
+        allocate = kv.allocate_slots
+        cached = b.cached
+        scheduled = b.scheduled
+        i = 0
+        while i < len(running):
+            if b.budget <= 0:
+                # NOTE: requests left unserved keep their partial prefills counted.
+                b.num_partial += sum(
+                    1 for r in running[i:] if r.num_tokens - r.num_computed_tokens > 1
+                )
+                break
+            req = running[i]
+            rid = req.request_id
+            if rid in scheduled:  # admitted earlier in this step (prefill-first)
+                i += 1
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
+            new_ids = allocate(req, n)
+            while new_ids is None:
+                victim = self._pick_victim(b, worse_than=None)
+                vi = running.index(victim)
+                self._preempt(victim, b)
+                if victim is req:
+                    break
+                if vi < i:
+                    i -= 1
+                new_ids = allocate(req, n)
+            if new_ids is None:
+                continue  # req itself was preempted; running[i] is now the next one
+            scheduled[rid] = n
+            b.budget -= n
+            b.total_tokens += n
+            if remaining > 1 or not req.output_token_ids:
+                b.mark_prefill(req)
+                if n < remaining:
+                    b.num_partial += 1
+            cached.request_ids.append(rid)
+            cached.new_block_ids.append(new_ids)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            cached.resumed_from_swap.append(False)
+            i += 1
+
+    def _schedule_swapped(self, b: StepBuilder) -> None:
+        # NOTE: no swap-in in a step that preempted: it would thrash, and it keeps device
+        # blocks from being both a swap-out source and a swap-in destination in one step.
+        if not self.swapped or b.preempted:
+            return
+        cfg = self.config
+        for req in sorted(self.swapped, key=self.policy.key):
+            if len(self.running) >= cfg.max_num_seqs or b.budget <= 0:
+                break
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
+            if n < remaining and b.num_partial >= cfg.max_num_partial_prefills:
+                continue
+            if not self.kv.can_swap_in(req, n):
+                break
+            pairs = self.kv.swap_in(req)
+            new_ids = self.kv.allocate_slots(req, n)
+            assert new_ids is not None, "can_swap_in promised room"
+            self.swapped.remove(req)
+            req.status = _RUNNING
+            self.running.append(req)
+            b.pinned.add(req.request_id)
+            b.swap_in.extend(pairs)
+            b.swapped_in.append(req.request_id)
+            rid = req.request_id
+            b.scheduled[rid] = n
+            b.budget -= n
+            b.total_tokens += n
+            if remaining > 1:
+                b.mark_prefill(req)
+                if n < remaining:
+                    b.num_partial += 1
+            c = b.cached
+            c.request_ids.append(rid)
+            c.new_block_ids.append(self.kv.block_ids(rid))
+            c.num_computed_tokens.append(req.num_computed_tokens)
+            c.resumed_from_swap.append(True)
+            self.stats.num_blocks_swapped_in += len(pairs)
+
+    def _schedule_waiting(self, b: StepBuilder) -> None:
+        # NOTE: swapped requests come back before new work is admitted (no starvation).
+        if self.swapped or not len(self.waiting):
+            return
+        cfg = self.config
+        kv = self.kv
+        if cfg.scheduling_order == "prefill-first":
+            b.num_partial = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        skipped: list[Request] = []
+        while len(self.waiting) and b.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.pop()
+            if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
+                skipped.append(req)
+                continue
+            hits = kv.get_computed_blocks(req)
+            num_hit = len(hits) * kv.block_size
+            remaining = req.num_tokens - num_hit
+            n = self._chunk(remaining, b.budget)
+            if n < remaining:
+                if not cfg.enable_chunked_prefill and remaining <= cfg.max_num_batched_tokens:
+                    self.waiting.add_front([req])  # wait for a step with room for all of it
+                    break
+                if b.num_partial >= cfg.max_num_partial_prefills:
+                    skipped.append(req)  # a shorter prompt behind it may still fit
+                    continue
+            req.num_computed_tokens = num_hit
+            new_ids = kv.allocate_slots(req, n, hits)
+            while new_ids is None and self.policy.name == "priority":
+                victim = self._pick_victim(b, worse_than=req)
+                if victim is None:
+                    break
+                self._preempt(victim, b)
+                new_ids = kv.allocate_slots(req, n, hits)
+            if new_ids is None:
+                req.num_computed_tokens = 0
+                self.waiting.add_front([req])
+                break
+            self._admit(req, n, num_hit, new_ids, b)
+        if skipped:
+            self.waiting.add_front(skipped)
+
+    def _admit(
+        self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
+    ) -> None:
+        rid = req.request_id
+        if req.num_preemptions == 0:
+            self.kv.prefix_queries += req.num_tokens
+            self.kv.prefix_hits += num_hit
+            b.prefix_queries += req.num_tokens
+            b.prefix_hits += num_hit
+        else:
+            self.kv.recompute_queries += req.num_tokens
+            self.kv.recompute_hits += num_hit
+            self.stats.num_recomputed_tokens += max(0, req.num_tokens - 1 - num_hit)
+        req.status = _RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = b.start_time
+        self.running.append(req)
+        b.admitted.add(rid)
+        b.scheduled[rid] = n
+        b.budget -= n
+        b.total_tokens += n
+        b.mark_prefill(req)
+        if n < req.num_tokens - num_hit:
+            b.num_partial += 1
+        b.new_requests.append(
+            NewRequestData(
+                request_id=rid,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=num_hit,
+            )
+        )
+
+    # -- preemption ------------------------------------------------------------------
+    def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None:
+        """The least urgent, latest-arrived running request that may be preempted now.
+
+        NOTE: requests swapped in during this step are never victims; with ``worse_than``
+        only requests strictly less urgent than it qualify (so priority preemption cannot
+        cycle), and requests admitted in this step are spared.
+        """
+        key = self.policy.key
+        if worse_than is None:
+            candidates = [r for r in self.running if r.request_id not in b.pinned]
+        else:
+            bar = key(worse_than)
+            candidates = [
+                r
+                for r in self.running
+                if r.request_id not in b.pinned
+                and r.request_id not in b.admitted
+                and r.priority > worse_than.priority
+                and key(r) > bar
+            ]
+        return max(candidates, key=key) if candidates else None
+
+    def _preempt(self, victim: Request, b: StepBuilder) -> None:
+        """Take ``victim`` (already chosen) off the device; undo its share of this step."""
+        rid = victim.request_id
+        if victim in self.running:
+            self.running.remove(victim)
+        n = b.scheduled.pop(rid, None)
+        if n is not None:
+            b.budget += n
+            b.total_tokens -= n
+            b.unschedule(rid)
+            if victim.num_tokens - victim.num_computed_tokens > n:  # it was a partial prefill
+                b.num_partial -= 1
+        swap = (
+            self.config.preemption_mode == "swap"
+            and rid not in b.admitted
+            and victim.num_computed_tokens > 0
+            and self.kv.can_swap_out(victim)
+        )
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if swap:
+            pairs = self.kv.swap_out(victim)
+            b.swap_out.extend(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.stats.num_swap_preemptions += 1
+            self.stats.num_blocks_swapped_out += len(pairs)
+            b.preempted.append((rid, "swap"))
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.add(victim)
+            self.stats.num_recompute_preemptions += 1
+            b.preempted.append((rid, "recompute"))
+        b.preempted_ids.add(rid)
+        b.admitted.discard(rid)
+
+    # -- after the step --------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Apply a step's results: advance progress, append tokens, finish requests.
+
+        Returns the requests that received tokens or finished in this step.
+        """
+        b = self._step
+        if b is None:
+            raise RuntimeError("update_from_output() without a scheduled step")
+        self._step = None
+        now = self.clock()
+        sampled = runner_output.sampled_token_ids
+        requests = self.requests
+        kv = self.kv
+        max_model_len = self.config.max_model_len
+        touched: list[Request] = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        gen_tokens = 0
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if req is None or req.status != _RUNNING:
+                continue  # aborted between schedule() and now
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                kv.cache_blocks(req)
+                continue
+            tokens = sampled.get(rid)
+            if not tokens:
+                req.error = "the executor returned no token for a completed step"
+                finished.append((req, RequestStatus.FINISHED_ERROR))
+                touched.append(req)
+                continue
+            params = req.sampling_params
+            status = None
+            for t in tokens:
+                req.output_token_ids.append(t)
+                req.token_times.append(now)
+                gen_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if (t == req.eos_token_id and not params.ignore_eos) or (
+                    params.stop_token_ids and t in params.stop_token_ids
+                ):
+                    status = RequestStatus.FINISHED_STOPPED
+                elif (
+                    len(req.output_token_ids) >= params.max_tokens
+                    or req.num_tokens >= max_model_len
+                ):
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break
+            kv.cache_blocks(req)
+            touched.append(req)
+            if status is not None:
+                finished.append((req, status))
+        if finished:
+            done = {id(r) for r, _ in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req, status in finished:
+                self._finish(req, status)
+                b.finished.append((req.request_id, req.finish_reason.value))  # type: ignore[union-attr]
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_generation_tokens += gen_tokens
+        stats.num_prompt_tokens += scheduler_output.total_num_scheduled_tokens - gen_tokens
+        usage = kv.usage
+        stats.kv_usage_sum += usage
+        if usage > stats.kv_usage_peak:
+            stats.kv_usage_peak = usage
+        if self.recorder is not None:
+            self.recorder.add(build_step_record(self, b, scheduler_output, runner_output))
+        self.step_index += 1
+        return touched
+
+    # -- checks ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Assert queues, statuses and the KV cache agree (tests call it every step)."""
+        self.kv.check_invariants()
+        running = {r.request_id for r in self.running}
+        swapped = {r.request_id for r in self.swapped}
+        waiting = {r.request_id for r in self.waiting}
+        assert len(running) == len(self.running), "a request is twice in running"
+        assert len(waiting) == len(self.waiting), "waiting queue size drifted"
+        assert not (running & swapped or running & waiting or swapped & waiting)
+        assert running | swapped | waiting == set(self.requests), "a request is lost"
+        assert len(self.running) <= self.config.max_num_seqs
+        assert set(self.kv.req_blocks) <= running, "a non-running request holds blocks"
+        assert set(self.kv.swapped_blocks) == swapped, "swapped table mismatch"
+        bs = self.kv.block_size
+        for r in self.running:
+            assert r.status == _RUNNING, r
+            blocks = len(self.kv.req_blocks.get(r.request_id, ()))
+            assert blocks * bs >= r.num_computed_tokens, f"{r} lacks blocks"
+            assert r.num_computed_tokens < r.num_tokens, f"{r} computed past its tokens"
+        for r in self.swapped:
+            assert r.status == RequestStatus.SWAPPED, r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0, r

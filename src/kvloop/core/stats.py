@@ -1,0 +1,112 @@
+"""What the loop did: one ``StepRecord`` per step, and running totals of the scheduler."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+
+@dataclass
+class ScheduledEntry:
+    """One request's share of a step."""
+
+    request_id: str
+    num_tokens: int
+    """Tokens computed for the request in this step."""
+    kind: str
+    """``prefill`` (prompt chunk), ``recompute`` (re-prefill after preemption) or ``decode``."""
+    num_computed_tokens: int
+    """Tokens already in the KV cache before this step (the context it attends over)."""
+
+
+@dataclass
+class StepRecord:
+    """Everything one step did, written as one JSONL line."""
+
+    step: int
+    time_s: float
+    """Clock time when the step was scheduled (virtual in the simulator)."""
+    step_time_s: float
+    """Duration reported by the executor."""
+    scheduled: list[ScheduledEntry]
+    num_batched_tokens: int
+    token_budget: int
+    preempted: list[tuple[str, str]]
+    """(request_id, mode) for each preemption, mode ``recompute`` or ``swap``."""
+    num_blocks_swapped_out: int
+    num_blocks_swapped_in: int
+    swapped_in: list[str]
+    finished: list[tuple[str, str]]
+    """(request_id, finish reason) for requests that finished in this step."""
+    kv_blocks_used: int
+    num_gpu_blocks: int
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache by admissions this step."""
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
+        d = dict(d)
+        d["scheduled"] = [ScheduledEntry(**e) for e in d["scheduled"]]
+        d["preempted"] = [tuple(p) for p in d["preempted"]]
+        d["finished"] = [tuple(p) for p in d["finished"]]
+        return cls(**d)
+
+
+class StepRecorder:
+    """Collects step records in memory and/or streams them to a JSONL file."""
+
+    def __init__(self, *, keep_in_memory: bool = True, sink: IO[str] | None = None) -> None:
+        self.keep_in_memory = keep_in_memory
+        self.sink = sink
+        self.records: list[StepRecord] = []
+
+    def add(self, record: StepRecord) -> None:
+        if self.keep_in_memory:
+            self.records.append(record)
+        if self.sink is not None:
+            self.sink.write(record.to_json())
+            self.sink.write("\n")
+
+    def write_jsonl(self, path: str) -> None:
+        with open(path, "w") as f:
+            for record in self.records:
+                f.write(record.to_json())
+                f.write("\n")
+
+
+def read_jsonl(path: str) -> list[StepRecord]:
+    """Load step records written by ``StepRecorder``."""
+    with open(path) as f:
+        return [StepRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals over the scheduler's life."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    """Tokens computed again after recompute preemptions (prefix hits excluded)."""
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    kv_usage_sum: float = 0.0
+    """Sum over steps of the used fraction of device blocks (mean = sum / steps)."""
+    kv_usage_peak: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_usage_mean(self) -> float:
+        return self.kv_usage_sum / self.num_steps if self.num_steps else 0.0

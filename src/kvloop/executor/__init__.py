@@ -1,0 +1,1 @@
+"""Executors: run a scheduled step, for real (``torch``) or on a cost model (``simulated``)."""

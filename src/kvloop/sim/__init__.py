@@ -1,0 +1,9 @@
+"""Simulation inputs and outputs: request workloads and metrics.
+
+- ``kvloop.sim.traces``: replay real public traces (Azure LLM inference 2023, Mooncake,
+  ShareGPT lengths), shipped compressed as package data, or a trace file of the same formats.
+- ``kvloop.sim.workloads``: synthetic workloads (Poisson or gamma arrivals, fixed, uniform
+  or trace-drawn lengths, priority mixes).
+- ``kvloop.sim.metrics``: TTFT, TPOT, ITL, e2e, queue time, throughput and goodput over
+  finished requests, as defined in ARCHITECTURE.md.
+"""
