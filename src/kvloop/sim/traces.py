@@ -99,10 +99,10 @@ class BlockPrompt(Sequence[int]):
             start, stop, step = index.indices(self._len)
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
-            if start >= stop:
-                return range(0)
-            pieces = list(self._pieces(start, stop))
-            return pieces[0] if len(pieces) == 1 else list(itertools.chain(*pieces))
+            bs = self.block_size
+            if start >= self._blocked or stop <= start or (stop - 1) // bs == start // bs:
+                return self._span(start, stop)  # inside one block or the tail (or empty)
+            return list(itertools.chain.from_iterable(self._pieces(start, stop)))
         i = operator.index(index)
         if not -self._len <= i < self._len:
             raise IndexError("BlockPrompt index out of range")
@@ -232,7 +232,7 @@ def _parse(name_or_path: str, limit: int | None = None) -> tuple[str, str, list[
     """Return (format kind, label, rows) of a trace; raise if it has no requests."""
     src, text = _open_text(name_or_path)
     parse = _parse_jsonl if text.lstrip().startswith("{") else _parse_csv
-    kind, rows = parse(text, src, limit)
+    kind, rows = parse(text, src, limit) if text.strip() else ("", [])
     if not rows:
         raise TraceFormatError(f"{src}: trace has no requests")
     return kind, src, rows

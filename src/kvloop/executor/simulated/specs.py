@@ -16,8 +16,16 @@ from typing import Any
 GiB = 1 << 30
 MiB = 1 << 20
 
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
-                "bfloat16": 2, "bf16": 2}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -49,22 +57,34 @@ class ModelSpec:
     """True when the LM head reuses the embedding table (no separate weights)."""
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                      "intermediate_size", "vocab_size", "dtype_bytes"):
+        for field in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "dtype_bytes",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple "
-                             f"of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"{self.name}: num_heads ({self.num_heads}) must be a multiple "
+                f"of num_kv_heads ({self.num_kv_heads})"
+            )
 
     def check_tp(self, tp: int) -> None:
         """Raise ValueError unless ``tp`` is a positive int dividing ``num_heads``."""
         if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
             raise ValueError(f"tensor parallel size must be a positive int, got {tp!r}")
         if self.num_heads % tp:
-            raise ValueError(f"{self.name} has {self.num_heads} attention heads, which "
-                             f"tensor parallel size {tp} does not divide")
+            raise ValueError(
+                f"{self.name} has {self.num_heads} attention heads, which "
+                f"tensor parallel size {tp} does not divide"
+            )
 
     def kv_heads_per_rank(self, tp: int = 1) -> int:
         """KV heads each rank holds; replicated (>= 1 per rank) when tp > num_kv_heads."""
@@ -117,8 +137,9 @@ class ModelSpec:
         return block_size * self.kv_bytes_per_token(tp)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str, *, source: str | None = None
-                       ) -> ModelSpec:
+    def from_hf_config(
+        cls, cfg: dict[str, Any], name: str, *, source: str | None = None
+    ) -> ModelSpec:
         """Build a spec from a Hugging Face ``config.json`` dict (``text_config`` of a
         multimodal config is used when the top level has no layers). ``source`` names the
         file in error messages (default: ``name``)."""
@@ -135,11 +156,18 @@ class ModelSpec:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-        return cls(name=name, num_layers=need("num_hidden_layers"), hidden_size=hidden,
-                   num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                   intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-                   dtype_bytes=_DTYPE_BYTES.get(dtype.removeprefix("torch."), 2),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        return cls(
+            name=name,
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            dtype_bytes=_DTYPE_BYTES.get(dtype.removeprefix("torch."), 2),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -163,8 +191,14 @@ class HardwareSpec:
     """Fixed cost of one small all-reduce, seconds."""
 
     def __post_init__(self) -> None:
-        for field in ("peak_flops", "mem_bandwidth", "mem_bytes", "host_link_bandwidth",
-                      "allreduce_bandwidth", "allreduce_latency_s"):
+        for field in (
+            "peak_flops",
+            "mem_bandwidth",
+            "mem_bytes",
+            "host_link_bandwidth",
+            "allreduce_bandwidth",
+            "allreduce_latency_s",
+        ):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{self.name}: {field} must be positive")
 
@@ -174,8 +208,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3.1-70b": ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
     "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064),
-    "smollm2-135m": ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152,
-                              tie_word_embeddings=True),
+    "smollm2-135m": ModelSpec(
+        "smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True
+    ),
 }
 
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
@@ -183,23 +218,50 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # as printed in many public logs). Host links: PCIe x16 line rate per direction (Gen4
     # 32 GB/s, Gen5 64 GB/s, the datasheets' 64 / 128 GB/s being both directions summed).
     "a100-80gb": HardwareSpec(  # NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16, 2,039 GB/s.
-        "a100-80gb", 312e12, 2039e9, 81920 * MiB, 32e9,
+        "a100-80gb",
+        312e12,
+        2039e9,
+        81920 * MiB,
+        32e9,
         # NCCL busbw measured on 8x A100 SXM: ~200-208 GB/s (NVIDIA/nccl-tests #149, #178).
-        205e9, 10e-6),
+        205e9,
+        10e-6,
+    ),
     "h100": HardwareSpec(  # NVIDIA H100 datasheet (SXM5): 989 TF bf16 dense, 3.35 TB/s HBM3.
-        "h100", 989.4e12, 3.35e12, 81559 * MiB, 64e9,
+        "h100",
+        989.4e12,
+        3.35e12,
+        81559 * MiB,
+        64e9,
         # NVLink4 is 450 GB/s per direction; NCCL reaches ~370 GB/s busbw after protocol
         # overhead (sjeaugey in NVIDIA/nccl-tests #212).
-        370e9, 8e-6),
+        370e9,
+        8e-6,
+    ),
     "h200": HardwareSpec(  # NVIDIA H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
-        "h200", 989.4e12, 4.8e12, 143771 * MiB, 64e9, 370e9, 8e-6),
+        "h200", 989.4e12, 4.8e12, 143771 * MiB, 64e9, 370e9, 8e-6
+    ),
     "l4": HardwareSpec(  # NVIDIA L4 datasheet: 242 TF bf16 with sparsity (121 dense), 300 GB/s.
         # No NVLink: all-reduce rides PCIe Gen4 (~20 GB/s busbw assumed, ~60% of line rate).
-        "l4", 121e12, 300e9, 23034 * MiB, 32e9, 20e9, 20e-6),
+        "l4",
+        121e12,
+        300e9,
+        23034 * MiB,
+        32e9,
+        20e9,
+        20e-6,
+    ),
     "rtx-4090": HardwareSpec(  # Ada whitepaper: 165.2 TF bf16 (FP32 accumulate), 1,008 GB/s.
         # No NVLink and no P2P on GeForce: NCCL stages all-reduce through host memory
         # (~15 GB/s busbw assumed, about half the PCIe Gen4 line rate).
-        "rtx-4090", 165.2e12, 1008e9, 24564 * MiB, 32e9, 15e9, 30e-6),
+        "rtx-4090",
+        165.2e12,
+        1008e9,
+        24564 * MiB,
+        32e9,
+        15e9,
+        30e-6,
+    ),
 }
 
 
@@ -211,9 +273,11 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"unknown model '{name_or_path}': choose a preset "
-                         f"({', '.join(MODEL_PRESETS)}) or give a path to a Hugging Face "
-                         "config.json")
+        raise ValueError(
+            f"unknown model '{name_or_path}': choose a preset "
+            f"({', '.join(MODEL_PRESETS)}) or give a path to a Hugging Face "
+            "config.json"
+        )
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -228,12 +292,14 @@ def get_hardware_spec(name: str) -> HardwareSpec:
     try:
         return HARDWARE_PRESETS[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown hardware '{name}': choose one of "
-                         f"{', '.join(HARDWARE_PRESETS)}") from None
+        raise ValueError(
+            f"unknown hardware '{name}': choose one of {', '.join(HARDWARE_PRESETS)}"
+        ) from None
 
 
-def default_activation_reserve_bytes(model: ModelSpec, tp: int = 1,
-                                     max_num_batched_tokens: int = 8192) -> int:
+def default_activation_reserve_bytes(
+    model: ModelSpec, tp: int = 1, max_num_batched_tokens: int = 8192
+) -> int:
     """Memory kept out of the KV pool for activations and workspaces, per GPU.
 
     Mirrors what vLLM's profiling run finds: a fixed 1 GiB of non-torch memory (CUDA
@@ -241,15 +307,24 @@ def default_activation_reserve_bytes(model: ModelSpec, tp: int = 1,
     ``max_num_batched_tokens`` forward (gate+up output, SwiGLU output, qkv, ~4 hidden-wide
     buffers) and fp32 logits for 256 sequences. Llama-3.1-8B at tp=1: ~2.1 GiB.
     """
-    per_token = (3 * math.ceil(model.intermediate_size / tp) + 4 * model.hidden_size
-                 + (model.num_heads // tp + 2 * model.kv_heads_per_rank(tp)) * model.head_dim)
+    per_token = (
+        3 * math.ceil(model.intermediate_size / tp)
+        + 4 * model.hidden_size
+        + (model.num_heads // tp + 2 * model.kv_heads_per_rank(tp)) * model.head_dim
+    )
     logits = 256 * math.ceil(model.vocab_size / tp) * 4
     return GiB + max_num_batched_tokens * per_token * model.dtype_bytes + logits
 
 
-def num_gpu_blocks(model: ModelSpec, hw: HardwareSpec, *, block_size: int, tp: int = 1,
-                   gpu_memory_utilization: float = 0.9,
-                   activation_reserve_bytes: int | None = None) -> int:
+def num_gpu_blocks(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    *,
+    block_size: int,
+    tp: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve_bytes: int | None = None,
+) -> int:
     """KV blocks that fit on each GPU: (memory × utilization − weights − reserve) // block.
 
     ``activation_reserve_bytes`` defaults to :func:`default_activation_reserve_bytes`.
@@ -257,14 +332,15 @@ def num_gpu_blocks(model: ModelSpec, hw: HardwareSpec, *, block_size: int, tp: i
     """
     model.check_tp(tp)
     if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
-                         f"{gpu_memory_utilization}")
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     budget = int(hw.mem_bytes * gpu_memory_utilization)
     weights = model.weight_bytes(tp)
     if weights >= budget:
-        raise ValueError(f"{model.name} weights ({weights / 1e9:.0f} GB per GPU at tp={tp}) "
-                         f"do not fit in {hw.name} memory × {gpu_memory_utilization:g}; "
-                         "raise --tensor-parallel-size")
+        raise ValueError(
+            f"{model.name} weights ({weights / 1e9:.0f} GB per GPU at tp={tp}) "
+            f"do not fit in {hw.name} memory × {gpu_memory_utilization:g}; "
+            "raise --tensor-parallel-size"
+        )
     if activation_reserve_bytes is None:
         activation_reserve_bytes = default_activation_reserve_bytes(model, tp)
     block_bytes = model.kv_block_bytes(block_size, tp)
@@ -276,12 +352,12 @@ def num_gpu_blocks(model: ModelSpec, hw: HardwareSpec, *, block_size: int, tp: i
             f"{budget / 1e9:.1f} GB per GPU; {model.name} weights take {weights / 1e9:.1f} GB "
             f"and activations/workspace {activation_reserve_bytes / 1e9:.1f} GB, leaving less "
             f"than one {block_size}-token block ({block_bytes} bytes); raise "
-            "--gpu-memory-utilization or --tensor-parallel-size")
+            "--gpu-memory-utilization or --tensor-parallel-size"
+        )
     return blocks
 
 
-def num_cpu_blocks(model: ModelSpec, *, block_size: int, tp: int = 1,
-                   swap_space_gib: float) -> int:
+def num_cpu_blocks(model: ModelSpec, *, block_size: int, tp: int = 1, swap_space_gib: float) -> int:
     """KV blocks in the host swap tier: ``swap_space_gib`` GiB per GPU (vLLM --swap-space)."""
     if swap_space_gib < 0:
         raise ValueError(f"swap_space_gib must be >= 0, got {swap_space_gib}")

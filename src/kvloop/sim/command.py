@@ -1,0 +1,190 @@
+"""``kvloop simulate``: replay a workload through the real scheduler on a virtual clock."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core.stats import StepRecorder
+from kvloop.executor.simulated import (
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    CostModel,
+    get_hardware_spec,
+    get_model_spec,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
+from kvloop.sim.driver import simulate
+from kvloop.sim.metrics import format_table
+from kvloop.sim.traces import SHIPPED_TRACES, load_trace
+from kvloop.sim.workloads import apply_priority_mix, parse_priority_mix, synthetic_workload
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Scheduler and cache knobs, named like vLLM's."""
+    d = SchedulerConfig()
+    g = p.add_argument_group("scheduler and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: what the KV pool can hold, at most 131072")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    g.add_argument("--long-prefill-token-threshold", type=int,
+                   default=d.long_prefill_token_threshold)
+    g.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.policy)
+    g.add_argument("--scheduling-order", choices=["decode-first", "prefill-first"],
+                   default=d.scheduling_order)
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                   default=d.preemption_mode)
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="default: from memory × --gpu-memory-utilization − weights")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="host swap space per GPU in GiB (default 4)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate serving a workload with a cost model",
+        description="Run a workload through kvloop's scheduler with a roofline cost model.",
+    )
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a HF config.json")
+    p.add_argument("--gpu", default="h100", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default=None,
+                   help=f"shipped trace ({', '.join(SHIPPED_TRACES)}) or a trace file path; "
+                   "without it a synthetic workload is generated")
+    w.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply the trace's arrival rate")
+    w.add_argument("--num-requests", type=int, default=None)
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson/gamma arrivals in req/s (inf: all at once)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    w.add_argument("--prompt-len", default="trace:sharegpt",
+                   help="synthetic prompt lengths: N, A:B or trace:NAME")
+    w.add_argument("--output-len", default="trace:sharegpt",
+                   help="synthetic output lengths: N, A:B or trace:NAME")
+    w.add_argument("--priority-mix", default=None, help="e.g. 0:0.2,1:0.8")
+    w.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
+    o.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
+    o.add_argument("--json", default=None, metavar="PATH", help="write the metrics as JSON")
+    o.add_argument("--trace-out", default=None, metavar="PATH",
+                   help="write one step record per line (JSONL)")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def build_configs(args: argparse.Namespace, model, hw) -> tuple[SchedulerConfig, CacheConfig]:
+    tp = args.tensor_parallel_size
+    if args.num_gpu_blocks is not None:
+        gpu_blocks = args.num_gpu_blocks
+    else:
+        gpu_blocks = num_gpu_blocks(
+            model, hw, block_size=args.block_size, tp=tp,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    cpu_blocks = num_cpu_blocks(model, block_size=args.block_size, tp=tp,
+                                swap_space_gib=args.swap_space)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_gpu_blocks=gpu_blocks,
+        num_cpu_blocks=cpu_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    max_len = args.max_model_len or min(131072, gpu_blocks * args.block_size)
+    budget = args.max_num_batched_tokens
+    if not args.enable_chunked_prefill:
+        budget = max(budget, max_len)
+    sched = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        policy=args.scheduling_policy,
+        preemption_mode=args.preemption_mode,
+        scheduling_order=args.scheduling_order,
+    )
+    return sched, cache
+
+
+def build_workload(args: argparse.Namespace):
+    if args.trace is not None:
+        workload = load_trace(
+            args.trace, rate_scale=args.rate_scale, num_requests=args.num_requests,
+            request_rate=args.request_rate, seed=args.seed,
+        )
+    else:
+        workload = synthetic_workload(
+            args.num_requests or 1000,
+            request_rate=args.request_rate if args.request_rate is not None else math.inf,
+            burstiness=args.burstiness,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            seed=args.seed,
+        )
+    if args.priority_mix:
+        apply_priority_mix(workload, parse_priority_mix(args.priority_mix), seed=args.seed)
+    return workload
+
+
+def run(args: argparse.Namespace) -> int:
+    model = get_model_spec(args.model)
+    hw = get_hardware_spec(args.gpu)
+    sched, cache = build_configs(args, model, hw)
+    cost = CostModel(model, hw, tp=args.tensor_parallel_size)
+    workload = build_workload(args)
+    sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
+    try:
+        recorder = StepRecorder(keep_in_memory=False, sink=sink) if sink else None
+        result = simulate(
+            workload, sched, cache, cost, recorder=recorder,
+            progress=not args.no_progress and sys.stderr.isatty(),
+            slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+        )
+    finally:
+        if sink is not None:
+            sink.close()
+    m = result.metrics
+    m["config"] = {
+        "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
+        "trace": args.trace, "num_requests": len(workload),
+        "scheduler": vars(sched) | {"prefill_chunk_cap": sched.prefill_chunk_cap},
+        "cache": vars(cache),
+    }
+    s = m["scheduler"]
+    extra = {
+        "Steps": s["num_steps"],
+        "Preemptions (recompute / swap)":
+            f"{s['num_recompute_preemptions']} / {s['num_swap_preemptions']}",
+        "Recomputed tokens": s["recomputed_tokens"],
+        "Swapped blocks (out / in)": f"{s['swapped_out_blocks']} / {s['swapped_in_blocks']}",
+        "Prefix cache hit rate": f"{100 * s['prefix_cache_hit_rate']:.1f}%",
+        "KV usage (mean / peak)":
+            f"{100 * s['kv_usage_mean']:.1f}% / {100 * s['kv_usage_peak']:.1f}%",
+        "KV blocks (GPU / CPU)": f"{cache.num_gpu_blocks} / {cache.num_cpu_blocks}",
+        "Simulation wall time (s)": f"{result.wall_time_s:.2f}",
+    }
+    print(f"kvloop simulate: {model.name} on {hw.name} × {args.tensor_parallel_size}, "
+          f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
+    print(format_table(m, extra))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(m, f, indent=2, default=str)
+    return 0
