@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="default: what the KV pool can hold, at most 131072")
+                   help="default: the model's max_position_embeddings")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill)
     g.add_argument("--long-prefill-token-threshold", type=int,
@@ -106,7 +106,7 @@ def build_configs(args: argparse.Namespace, model, hw) -> tuple[SchedulerConfig,
         num_cpu_blocks=cpu_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
     )
-    max_len = args.max_model_len or min(131072, gpu_blocks * args.block_size)
+    max_len = args.max_model_len or model.max_position_embeddings
     budget = args.max_num_batched_tokens
     if not args.enable_chunked_prefill:
         budget = max(budget, max_len)
@@ -144,12 +144,35 @@ def build_workload(args: argparse.Namespace):
     return workload
 
 
+def check_fits(workload, sched: SchedulerConfig, cache: CacheConfig) -> None:
+    """Refuse a pool that cannot hold some request the model accepts; warn about requests
+    longer than ``max_model_len`` (they fail, as a server would refuse them)."""
+    pool_tokens = cache.num_gpu_blocks * cache.block_size
+    sizes = [len(w.prompt_token_ids) + w.output_len for w in workload]
+    too_long = sum(1 for n in sizes if n > sched.max_model_len)
+    no_room = [n for n in sizes if pool_tokens < n <= sched.max_model_len]
+    if no_room:
+        raise ValueError(
+            f"{len(no_room)} of {len(workload)} requests can never run: the largest needs "
+            f"{max(no_room)} tokens but the KV pool holds {pool_tokens} "
+            f"({cache.num_gpu_blocks} blocks of {cache.block_size}); raise --num-gpu-blocks, "
+            "lower --max-model-len, or use --num-requests to cut the trace"
+        )
+    if too_long:
+        print(
+            f"kvloop: warning: {too_long} requests exceed max_model_len "
+            f"({sched.max_model_len}) and will fail; raise --max-model-len to run them",
+            file=sys.stderr,
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     model = get_model_spec(args.model)
     hw = get_hardware_spec(args.gpu)
     sched, cache = build_configs(args, model, hw)
     cost = CostModel(model, hw, tp=args.tensor_parallel_size)
     workload = build_workload(args)
+    check_fits(workload, sched, cache)
     sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
     try:
         recorder = StepRecorder(keep_in_memory=False, sink=sink) if sink else None

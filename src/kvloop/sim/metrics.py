@@ -112,7 +112,7 @@ def summarize_requests(
             t_tpot = (t_e2e - t_ttft) / (n_out - 1)
             tpot.append(t_tpot)
         if len(times) > 1:
-            itl.extend(map(sub, times[1:], times[:-1]))
+            itl.extend(map(sub, times[1:], times))  # map stops at the shorter
         if (slo_ttft is None or t_ttft <= slo_ttft) and (
             slo_tpot is None or t_tpot is None or t_tpot <= slo_tpot
         ):

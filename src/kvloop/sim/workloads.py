@@ -172,7 +172,7 @@ def parse_priority_mix(spec: str) -> dict[int, float]:
     for item in spec.split(","):
         prio, sep, weight = item.strip().partition(":")
         try:
-            if not sep:
+            if not sep or int(prio) in mix:
                 raise ValueError
             mix[int(prio)] = float(weight)
         except ValueError:

@@ -55,6 +55,8 @@ class ModelSpec:
     """Bytes per weight and per KV-cache element (2 for bf16/fp16)."""
     tie_word_embeddings: bool = False
     """True when the LM head reuses the embedding table (no separate weights)."""
+    max_position_embeddings: int = 131072
+    """Longest context the model supports: the default ``max_model_len``."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -167,6 +169,7 @@ class ModelSpec:
             vocab_size=need("vocab_size"),
             dtype_bytes=_DTYPE_BYTES.get(dtype.removeprefix("torch."), 2),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
         )
 
 
@@ -207,9 +210,12 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # Values from each model's config.json on the Hugging Face Hub.
     "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3.1-70b": ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
-    "qwen2.5-7b": ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064),
+    "qwen2.5-7b": ModelSpec(
+        "qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, max_position_embeddings=32768
+    ),
     "smollm2-135m": ModelSpec(
-        "smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True
+        "smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True,
+        max_position_embeddings=8192,
     ),
 }
 
