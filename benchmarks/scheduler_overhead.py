@@ -294,7 +294,8 @@ def print_table(rows: list[Row]) -> None:
     for r in mixed:
         print(
             f"  mixed N={r.n}: per step {r.new_per_step:.2f} admitted, "
-            f"{r.finished_per_step:.2f} finished, {r.prefill_tokens_per_step:.0f} prefill tokens"
+            f"{r.finished_per_step:.2f} finished, "
+            f"{r.prefill_tokens_per_step:.0f} prompt tokens (as SchedulerStats counts them)"
         )
 
 
@@ -311,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="K, timed steps per run")
     p.add_argument("--repeats", type=int, default=None, help="runs per measurement")
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="values of N")
-    p.add_argument(
-        "--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS)
-    )
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--record", action="store_true", help="attach an in-memory StepRecorder")
     p.add_argument("--profile", action="store_true", help="cProfile one decode N=1024 run")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")

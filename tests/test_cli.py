@@ -9,11 +9,27 @@ from kvloop.cli import main
 
 def test_simulate_writes_json_and_trace(tmp_path, capsys):
     out, steps = tmp_path / "out.json", tmp_path / "steps.jsonl"
-    rc = main([
-        "simulate", "--model", "llama-3.1-8b", "--gpu", "h100", "--trace", "azure-conv",
-        "--num-requests", "200", "--json", str(out), "--trace-out", str(steps),
-        "--slo-ttft", "0.2", "--slo-tpot", "0.05",
-    ])
+    rc = main(
+        [
+            "simulate",
+            "--model",
+            "llama-3.1-8b",
+            "--gpu",
+            "h100",
+            "--trace",
+            "azure-conv",
+            "--num-requests",
+            "200",
+            "--json",
+            str(out),
+            "--trace-out",
+            str(steps),
+            "--slo-ttft",
+            "0.2",
+            "--slo-tpot",
+            "0.05",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "TTFT" in text and "Prefix cache hit rate" in text
@@ -25,26 +41,57 @@ def test_simulate_writes_json_and_trace(tmp_path, capsys):
 
 def test_knobs_reach_the_scheduler(tmp_path):
     out = tmp_path / "o.json"
-    rc = main([
-        "simulate", "--model", "smollm2-135m", "--gpu", "l4", "--request-rate", "50",
-        "--num-requests", "50", "--prompt-len", "64:512", "--output-len", "8:64",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--block-size", "32",
-        "--no-enable-prefix-caching", "--preemption-mode", "swap", "--num-gpu-blocks", "40",
-        "--scheduling-policy", "priority", "--priority-mix", "0:1,5:1", "--json", str(out),
-    ])
+    rc = main(
+        [
+            "simulate",
+            "--model",
+            "smollm2-135m",
+            "--gpu",
+            "l4",
+            "--request-rate",
+            "50",
+            "--num-requests",
+            "50",
+            "--prompt-len",
+            "64:512",
+            "--output-len",
+            "8:64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+            "--preemption-mode",
+            "swap",
+            "--num-gpu-blocks",
+            "40",
+            "--scheduling-policy",
+            "priority",
+            "--priority-mix",
+            "0:1,5:1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     cfg = json.loads(out.read_text())["config"]
     assert cfg["scheduler"]["max_num_seqs"] == 8
     assert cfg["cache"] == {
-        "block_size": 32, "num_gpu_blocks": 40,
-        "num_cpu_blocks": cfg["cache"]["num_cpu_blocks"], "enable_prefix_caching": False,
+        "block_size": 32,
+        "num_gpu_blocks": 40,
+        "num_cpu_blocks": cfg["cache"]["num_cpu_blocks"],
+        "enable_prefix_caching": False,
     }
 
 
 def _cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "kvloop.cli", "simulate", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -55,8 +102,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         (["--model", "gpt-9"], "unknown model"),
         (["--gpu", "tpu-v9"], "unknown hardware"),
         (["--trace", str(bad)], "bad.csv:2"),
-        (["--trace", "azure-conv", "--num-requests", "50", "--num-gpu-blocks", "4"],
-         "can never run"),
+        (
+            ["--trace", "azure-conv", "--num-requests", "50", "--num-gpu-blocks", "4"],
+            "can never run",
+        ),
         (["--model", "llama-3.1-70b", "--num-requests", "5"], "tensor-parallel"),
         (["--max-num-seqs", "0", "--num-requests", "5"], "max_num_seqs"),
     ]

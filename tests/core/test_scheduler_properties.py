@@ -1,9 +1,9 @@
 """Property tests: random workloads against tiny pools never break the loop's invariants."""
 
-from helpers import FakeExecutor, make_scheduler, req, step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import FakeExecutor, make_scheduler, req, step
 from kvloop.core import RequestStatus
 
 _request = st.tuples(
@@ -81,8 +81,13 @@ def test_random_workloads_drain_without_leaks(setup, requests):
 
 def test_same_seed_same_step_records():
     def run():
-        s = make_scheduler(num_gpu_blocks=10, block_size=4, num_cpu_blocks=6,
-                           preemption_mode="swap", max_num_batched_tokens=12)
+        s = make_scheduler(
+            num_gpu_blocks=10,
+            block_size=4,
+            num_cpu_blocks=6,
+            preemption_mode="swap",
+            max_num_batched_tokens=12,
+        )
         for i in range(8):
             s.add_request(req(f"r{i}", 3 + 5 * i % 17, 4 + i % 5, arrival=float(i)))
         while s.has_unfinished_requests():

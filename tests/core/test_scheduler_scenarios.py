@@ -1,7 +1,6 @@
 """The textbook pictures of continuous batching, step by step."""
 
 from helpers import FakeExecutor, make_scheduler, req, run_all, step
-
 from kvloop.core import RequestStatus
 
 
@@ -84,16 +83,18 @@ def test_recompute_preemption_under_tiny_pool():
 
 
 def test_swap_preemption_and_fallback():
-    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=16, block_size=4,
-                       max_model_len=64, preemption_mode="swap")
+    s = make_scheduler(
+        num_gpu_blocks=8, num_cpu_blocks=16, block_size=4, max_model_len=64, preemption_mode="swap"
+    )
     for r in "ABC":
         s.add_request(req(r, 4, 10))
     run_all(s)
     assert s.stats.num_swap_preemptions > 0
     assert s.stats.num_blocks_swapped_in == s.stats.num_blocks_swapped_out
     # Host tier too small for anything: swap falls back to recompute.
-    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=1, block_size=4,
-                       max_model_len=64, preemption_mode="swap")
+    s = make_scheduler(
+        num_gpu_blocks=8, num_cpu_blocks=1, block_size=4, max_model_len=64, preemption_mode="swap"
+    )
     for r in "ABC":
         s.add_request(req(r, 4, 10))
     run_all(s)
@@ -165,15 +166,23 @@ def test_impossible_requests_fail_at_once():
 
 
 def test_abort_in_every_state():
-    s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8, block_size=4,
-                       max_model_len=64, preemption_mode="swap", max_num_seqs=3)
+    s = make_scheduler(
+        num_gpu_blocks=8,
+        num_cpu_blocks=8,
+        block_size=4,
+        max_model_len=64,
+        preemption_mode="swap",
+        max_num_seqs=3,
+    )
     for r in "ABCD":
         s.add_request(req(r, 4, 12))
     while not s.swapped:
         step(s)
     states = {r.request_id: r.status for r in s.requests.values()}
     assert set(states.values()) == {
-        RequestStatus.RUNNING, RequestStatus.SWAPPED, RequestStatus.WAITING
+        RequestStatus.RUNNING,
+        RequestStatus.SWAPPED,
+        RequestStatus.WAITING,
     }
     for rid in list(states):
         assert s.abort_request(rid)

@@ -37,8 +37,9 @@ def test_every_request_finishes_at_its_length():
 
 def test_same_seed_same_records(tmp_path):
     def records(seed):
-        wl = synthetic_workload(30, request_rate=50.0, prompt_len="8:300",
-                                output_len="1:40", seed=seed)
+        wl = synthetic_workload(
+            30, request_rate=50.0, prompt_len="8:300", output_len="1:40", seed=seed
+        )
         rec = StepRecorder()
         _run(wl, rec, num_gpu_blocks=40, num_cpu_blocks=20, preemption_mode="swap")
         return [r.to_json() for r in rec.records]

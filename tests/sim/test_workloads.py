@@ -9,6 +9,8 @@ import math
 import statistics
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvloop.sim.traces import (
     SHIPPED_TRACES,
@@ -121,6 +123,22 @@ def test_block_prompt_matches_materialised_list():
         bp[len(full)]
     partial = BlockPrompt([1, 2], length=600)
     assert list(partial) == [512 + j for j in range(512)] + [1024 + j for j in range(88)]
+
+
+@given(
+    hash_ids=st.lists(st.integers(0, 5), max_size=5),
+    extra=st.integers(-7, 9),
+    start=st.integers(-40, 40),
+    stop=st.integers(-40, 40) | st.none(),
+    step=st.sampled_from([None, 1, 2, -1]),
+)
+def test_block_prompt_slices_property(hash_ids, extra, start, stop, step):
+    length = max(0, len(hash_ids) * 8 + extra)
+    bp = BlockPrompt(hash_ids, length, tail_base=1000, block_size=8)
+    full = [h * 8 + j for h in hash_ids for j in range(8)][:length]
+    full += range(1000, 1000 + length - len(full))
+    assert list(bp) == full and len(bp) == length
+    assert list(bp[start:stop:step]) == full[start:stop:step]
 
 
 # -- malformed trace files ----------------------------------------------------------------

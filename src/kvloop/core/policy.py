@@ -94,7 +94,13 @@ class PriorityQueue(WaitingQueue):
     def add(self, request: Request) -> None:
         heapq.heappush(
             self._heap,
-            (request.priority, request.arrival_time, request.arrival_order, next(self._tie), request),
+            (
+                request.priority,
+                request.arrival_time,
+                request.arrival_order,
+                next(self._tie),
+                request,
+            ),
         )
         self._size += 1
 
