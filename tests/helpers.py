@@ -86,6 +86,7 @@ def step(s: Scheduler, ex: FakeExecutor | None = None, clock: FakeClock | None =
     assert out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
     assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
     assert len(s.running) <= s.config.max_num_seqs
+    assert not (out.blocks_to_swap_in and out.blocks_to_swap_out)
     result = ex.execute(out)
     if clock is not None:
         clock.now += result.step_time_s

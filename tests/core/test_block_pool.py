@@ -14,7 +14,7 @@ def owners_of(pool: BlockPool) -> dict[int, int]:
     return {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt}
 
 
-# -- FreeBlockQueue -----------------------------------------------------------------------
+# -- FreeBlockQueue ----------------------------------------------------------------------------
 def test_free_queue_pops_in_insertion_order():
     blocks = [KVBlock(i) for i in range(4)]
     q = FreeBlockQueue(blocks)
@@ -65,7 +65,7 @@ def test_free_queue_remove_non_member_raises():
     assert len(q) == 1 and ids(q) == [1]
 
 
-# -- BlockPool: allocation and ref counts ----------------------------------------------------
+# -- BlockPool: allocation and ref counts ------------------------------------------------------
 def test_pool_rejects_non_positive_size():
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         BlockPool(0)
@@ -108,7 +108,7 @@ def test_touch_and_free_count_owners():
 
 def test_lru_freed_first_is_reused_first():
     pool = BlockPool(4)
-    b0, b1, b2, b3 = pool.get_new_blocks(4)
+    b0, b1, _b2, b3 = pool.get_new_blocks(4)
     pool.free_blocks([b1])
     pool.free_blocks([b3])
     assert ids(pool.get_new_blocks(1)) == [1]
@@ -201,7 +201,7 @@ def test_reset_prefix_cache_only_when_nothing_is_owned():
     pool.check_invariants({})
 
 
-# -- check_invariants catches corruption ------------------------------------------------------
+# -- check_invariants catches corruption -------------------------------------------------------
 def test_check_invariants_passes_on_a_busy_pool():
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)

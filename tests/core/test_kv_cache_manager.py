@@ -101,7 +101,7 @@ def test_allocate_slots_none_when_full_without_side_effects():
     kv.check_invariants()
 
 
-# -- prefix cache ---------------------------------------------------------------------------------
+# -- prefix cache ------------------------------------------------------------------------------
 def test_only_full_computed_blocks_are_cached():
     kv = make_kv()
     a = make_req("a", range(10))
@@ -173,7 +173,7 @@ def test_shared_hits_are_ref_counted():
     kv = make_kv(num_gpu_blocks=8)
     a = make_req("a", range(12))
     compute(kv, a, 12)
-    b = make_req("b", list(range(12)) + [99, 98])
+    b = make_req("b", [*range(12), 99, 98])
     assert admit(kv, b) == [0, 1, 2, 3]  # hits first, then one fresh block
     assert b.num_computed_tokens == 12
     assert [blk.ref_cnt for blk in kv.req_blocks["b"]] == [2, 2, 2, 1]
@@ -236,7 +236,7 @@ def test_free_unknown_request_is_a_no_op():
     assert kv.num_free_blocks == 16
 
 
-# -- swap tier --------------------------------------------------------------------------------------
+# -- swap tier ---------------------------------------------------------------------------------
 def test_swap_out_and_in_round_trip():
     kv = make_kv(num_gpu_blocks=8, num_cpu_blocks=4)
     a = make_req("a", range(10))
@@ -319,11 +319,11 @@ def test_swap_out_of_request_sharing_prefix_blocks():
     kv = make_kv(num_gpu_blocks=8, num_cpu_blocks=8)
     a = make_req("a", range(9))
     compute(kv, a, 9)
-    b = make_req("b", list(range(9)) + [42])
+    b = make_req("b", [*range(9), 42])
     admit(kv, b)
     assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
     pairs = kv.swap_out(b)
-    assert [d for d, _ in pairs] == kv.block_ids("a")[:2] + [pairs[2][0]]
+    assert [d for d, _ in pairs] == [*kv.block_ids("a")[:2], pairs[2][0]]
     assert [blk.ref_cnt for blk in kv.req_blocks["a"]] == [1, 1, 1]
     kv.check_invariants()
     kv.swap_in(b)
@@ -331,11 +331,6 @@ def test_swap_out_of_request_sharing_prefix_blocks():
     kv.check_invariants()
 
 
-@pytest.mark.xfail(
-    reason="swap_out pops the block table before checking the host tier: on RuntimeError "
-    "the request's device blocks stay ref-counted with no owner (leak)",
-    strict=True,
-)
 def test_swap_out_failure_has_no_side_effects():
     kv = make_kv(num_gpu_blocks=8, num_cpu_blocks=2)
     a = make_req("a", range(10))
@@ -346,11 +341,6 @@ def test_swap_out_failure_has_no_side_effects():
     kv.check_invariants()
 
 
-@pytest.mark.xfail(
-    reason="swap_in pops the host table before asking the pool for device blocks: on "
-    "RuntimeError the request's host blocks are lost (leak)",
-    strict=True,
-)
 def test_swap_in_failure_has_no_side_effects():
     kv = make_kv(num_gpu_blocks=4, num_cpu_blocks=4)
     a = make_req("a", range(10))

@@ -128,15 +128,15 @@ def test_fcfs_never_preempts_for_waiting():
 def test_prefix_hits():
     s = make_scheduler(block_size=4)
     shared = list(range(100, 116))
-    s.add_request(req("a", 0, 2, prompt=shared + [1, 2]))
+    s.add_request(req("a", 0, 2, prompt=[*shared, 1, 2]))
     run_all(s)
-    s.add_request(req("b", 0, 2, prompt=shared + [3, 4, 5]))
+    s.add_request(req("b", 0, 2, prompt=[*shared, 3, 4, 5]))
     out = step(s)
     assert out.new_requests[0].num_computed_tokens == 16
     assert out.num_scheduled_tokens["b"] == 3
     assert s.kv.prefix_hits == 16 and s.kv.prefix_queries == 18 + 19
     # A different salt sees nothing.
-    s.add_request(req("c", 0, 2, prompt=shared + [3], salt="tenant-2"))
+    s.add_request(req("c", 0, 2, prompt=[*shared, 3], salt="tenant-2"))
     out = step(s)
     assert out.new_requests[0].num_computed_tokens == 0
     run_all(s)
@@ -197,10 +197,23 @@ def test_stop_token_and_eos():
     s = make_scheduler()
     r = req("a", 4, 10)
     r.sampling_params.ignore_eos = False
-    r.eos_token_id = 2
+    r.eos_token_ids = frozenset({2})
     s.add_request(r)
     ex = FakeExecutor()
     step(s, ex)
     ex.stop_now.add("a")
     step(s, ex)
     assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [7, 2]
+
+
+def test_abandoned_step_fails_only_its_requests():
+    s = make_scheduler(max_num_seqs=2)
+    for r in "ABC":
+        s.add_request(req(r, 4, 5))
+    out = s.schedule()
+    failed = s.abandon_step(out, "boom")
+    assert {r.request_id for r in failed} == {"A", "B"}
+    assert all(r.status == RequestStatus.FINISHED_ERROR and r.error == "boom" for r in failed)
+    s.check_invariants()
+    assert s.kv.num_used_blocks == 0
+    run_all(s)

@@ -49,7 +49,8 @@ class SchedulerOutput:
 
     NOTE: executors apply, in this order: forget ``finished_request_ids`` and the
     recompute-preempted ids in ``preempted_request_ids``, ``blocks_to_swap_out``,
-    ``blocks_to_swap_in``, ``blocks_to_copy``, then the forward pass.
+    ``blocks_to_swap_in``, ``blocks_to_copy``, then the forward pass. A step never has both
+    swap-ins and swap-outs, so the two copy lists never touch the same blocks.
     """
 
     step: int

@@ -150,10 +150,10 @@ class KVCacheManager:
         The device blocks are released; their prefix hashes stay cached until evicted.
         """
         rid = request.request_id
+        if len(self.req_blocks[rid]) > len(self.cpu_free):
+            raise RuntimeError(f"host tier cannot hold {rid}")
         blocks = self.req_blocks.pop(rid)
         self._num_registered.pop(rid, None)
-        if len(blocks) > len(self.cpu_free):
-            raise RuntimeError(f"host tier cannot hold {rid}")
         host = [self.cpu_free.pop() for _ in blocks]
         self.swapped_blocks[rid] = host
         pairs = [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
@@ -168,6 +168,8 @@ class KVCacheManager:
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring the request's blocks back into fresh device blocks; (host, device) pairs."""
         rid = request.request_id
+        if len(self.swapped_blocks[rid]) > self.pool.free_queue.num_free:
+            raise RuntimeError(f"not enough free device blocks to swap {rid} in")
         host = self.swapped_blocks.pop(rid)
         blocks = self.pool.get_new_blocks(len(host))
         self.req_blocks[rid] = blocks

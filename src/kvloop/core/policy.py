@@ -86,23 +86,22 @@ class PriorityQueue(WaitingQueue):
     """Lowest ``priority`` value first, then earliest arrival (a heap, lazy removal)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, int, Request]] = []
+        # Entries are [priority, arrival_time, arrival_order, tie, request | None]; a
+        # removed entry keeps its place with request None until it reaches the top.
+        self._heap: list[list] = []
+        self._live: dict[int, list] = {}
+        """id(request) -> its live heap entry."""
         self._tie = itertools.count()
-        self._removed: set[int] = set()
-        self._size = 0
 
     def add(self, request: Request) -> None:
-        heapq.heappush(
-            self._heap,
-            (
-                request.priority,
-                request.arrival_time,
-                request.arrival_order,
-                next(self._tie),
-                request,
-            ),
-        )
-        self._size += 1
+        if id(request) in self._live:
+            raise ValueError(f"request {request.request_id!r} is already waiting")
+        entry = [
+            request.priority, request.arrival_time, request.arrival_order, next(self._tie),
+            request,
+        ]
+        self._live[id(request)] = entry
+        heapq.heappush(self._heap, entry)
 
     def add_front(self, requests: Iterable[Request]) -> None:
         for request in requests:
@@ -110,8 +109,10 @@ class PriorityQueue(WaitingQueue):
 
     def _prune(self) -> None:
         heap = self._heap
-        while heap and id(heap[0][-1]) in self._removed:
-            self._removed.discard(id(heapq.heappop(heap)[-1]))
+        while heap and heap[0][-1] is None:
+            heapq.heappop(heap)
+        if not heap:
+            raise IndexError("the waiting queue is empty")
 
     def peek(self) -> Request:
         self._prune()
@@ -119,22 +120,22 @@ class PriorityQueue(WaitingQueue):
 
     def pop(self) -> Request:
         self._prune()
-        self._size -= 1
-        return heapq.heappop(self._heap)[-1]
+        request = heapq.heappop(self._heap)[-1]
+        del self._live[id(request)]
+        return request
 
     def remove(self, request: Request) -> bool:
-        if id(request) in self._removed or not any(e[-1] is request for e in self._heap):
+        entry = self._live.pop(id(request), None)
+        if entry is None:
             return False
-        self._removed.add(id(request))
-        self._size -= 1
+        entry[-1] = None
         return True
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._live)
 
     def __iter__(self) -> Iterator[Request]:
-        live = [e for e in self._heap if id(e[-1]) not in self._removed]
-        return (e[-1] for e in sorted(live, key=lambda e: e[:4]))
+        return (e[-1] for e in sorted(self._live.values(), key=lambda e: e[:4]))
 
 
 @dataclass(frozen=True)

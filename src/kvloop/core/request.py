@@ -55,7 +55,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "cache_salt",
-        "eos_token_id",
+        "eos_token_ids",
         "error",
         "finished_time",
         "first_scheduled_time",
@@ -82,7 +82,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         cache_salt: str | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -99,7 +99,8 @@ class Request:
         """Tie-breaker among equal arrival times, set by the scheduler on admission."""
         self.priority = priority
         self.cache_salt = cache_salt
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
+        """The model's end-of-sequence ids: each stops the request unless ``ignore_eos``."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids: list[int] = []

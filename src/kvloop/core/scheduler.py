@@ -223,8 +223,8 @@ class Scheduler:
             i += 1
 
     def _schedule_swapped(self, b: StepBuilder) -> None:
-        # NOTE: no swap-in in a step that preempted: it would thrash, and it keeps device
-        # blocks from being both a swap-out source and a swap-in destination in one step.
+        # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
+        # swaps out and swaps in (see ``_preempt``).
         if not self.swapped or b.preempted:
             return
         cfg = self.config
@@ -372,8 +372,11 @@ class Scheduler:
             b.unschedule(rid)
             if victim.num_tokens - victim.num_computed_tokens > n:  # it was a partial prefill
                 b.num_partial -= 1
+        # NOTE: a step never both swaps in and swaps out, so host blocks released by a
+        # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
         swap = (
             self.config.preemption_mode == "swap"
+            and not b.swap_in
             and rid not in b.admitted
             and victim.num_computed_tokens > 0
             and self.kv.can_swap_out(victim)
@@ -440,7 +443,7 @@ class Scheduler:
                 gen_tokens += 1
                 if req.first_token_time is None:
                     req.first_token_time = now
-                if (t == req.eos_token_id and not params.ignore_eos) or (
+                if (t in req.eos_token_ids and not params.ignore_eos) or (
                     params.stop_token_ids and t in params.stop_token_ids
                 ):
                     status = RequestStatus.FINISHED_STOPPED
@@ -473,6 +476,23 @@ class Scheduler:
             self.recorder.add(build_step_record(self, b, scheduler_output, runner_output))
         self.step_index += 1
         return touched
+
+    def abandon_step(self, scheduler_output: SchedulerOutput, error: str) -> list[Request]:
+        """The executor failed this step: finish its requests with ``error`` (others are
+        untouched and the loop goes on). Returns the failed requests."""
+        if self._step is None:
+            raise RuntimeError("abandon_step() without a scheduled step")
+        self._step = None
+        failed = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is not None and req.status == _RUNNING:
+                req.error = error
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                failed.append(req)
+        self.step_index += 1
+        return failed
 
     # -- checks ----------------------------------------------------------------------
     def check_invariants(self) -> None:
