@@ -10,10 +10,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from kvloop.engine import command as generate_command
 from kvloop.sim import command as simulate_command
 
 Register = Callable[[argparse._SubParsersAction], None]
-COMMANDS: list[Register] = [simulate_command.register]
+COMMANDS: list[Register] = [generate_command.register, simulate_command.register]
 
 
 def build_parser() -> argparse.ArgumentParser:

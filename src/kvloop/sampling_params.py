@@ -42,6 +42,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field (also after mutation)."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and not isinstance(value, bool)
+                   and value == value, name, "must be a number", value)
         _check(
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
             "max_tokens",

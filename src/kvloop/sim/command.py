@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from kvloop.cli_args import add_scheduler_args
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
 from kvloop.executor.simulated import (
@@ -22,34 +23,6 @@ from kvloop.sim.driver import simulate
 from kvloop.sim.metrics import format_table
 from kvloop.sim.traces import SHIPPED_TRACES, load_trace
 from kvloop.sim.workloads import apply_priority_mix, parse_priority_mix, synthetic_workload
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Scheduler and cache knobs, named like vLLM's."""
-    d = SchedulerConfig()
-    g = p.add_argument_group("scheduler and KV cache")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the model's max_position_embeddings")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill)
-    g.add_argument("--long-prefill-token-threshold", type=int,
-                   default=d.long_prefill_token_threshold)
-    g.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills)
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.policy)
-    g.add_argument("--scheduling-order", choices=["decode-first", "prefill-first"],
-                   default=d.scheduling_order)
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"],
-                   default=d.preemption_mode)
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-    g.add_argument("--num-gpu-blocks", type=int, default=None,
-                   help="default: from memory × --gpu-memory-utilization − weights")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--swap-space", type=float, default=4.0,
-                   help="host swap space per GPU in GiB (default 4)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="synthetic output lengths: N, A:B or trace:NAME")
     w.add_argument("--priority-mix", default=None, help="e.g. 0:0.2,1:0.8")
     w.add_argument("--seed", type=int, default=0)
-    add_engine_args(p)
+    add_scheduler_args(p, max_num_batched_tokens=8192)
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
     o.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")

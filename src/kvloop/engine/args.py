@@ -1,0 +1,85 @@
+"""Engine arguments: every knob of a real engine in one frozen dataclass, named like vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvloop.config import CacheConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What ``LLM(...)``, ``kvloop generate`` and ``kvloop serve`` accept."""
+
+    model: str = "default"
+    """``default`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face folder, or a
+    ``.gguf`` file. kvloop never downloads models."""
+    dtype: str = "auto"
+    """``float32``, ``bfloat16``, ``float16`` or ``auto`` (float32 on CPU, bfloat16 on CUDA)."""
+    device: str | None = None
+    """``cpu``, ``cuda`` or ``cuda:N``; None picks CUDA when available."""
+    seed: int = 0
+    """Engine seed for requests without their own."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_gpu_blocks: int | None = None
+    """KV blocks on the device; None derives them from the memory budget."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache on CPU (None: the runner's default budget)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of CUDA memory kvloop may use (weights + KV cache + activations)."""
+    swap_space: float = 4.0
+    """Host swap space in GiB for swap preemption."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None uses the model's max_position_embeddings."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one prompt's chunk per step (0: none; see ``SchedulerConfig``)."""
+    max_num_partial_prefills: int = 1
+    """Most prompts whose prefill may be unfinished at once."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of equal prompt prefixes."""
+    preemption_mode: str = "recompute"
+    """``recompute`` or ``swap``."""
+    scheduling_policy: str = "fcfs"
+    """``fcfs`` or ``priority``."""
+    scheduling_order: str = "decode-first"
+    """``decode-first`` or ``prefill-first``."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        """Build from keyword arguments, naming any unknown one in a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+        return SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            policy=self.scheduling_policy,  # type: ignore[arg-type]
+            preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+            scheduling_order=self.scheduling_order,  # type: ignore[arg-type]
+        )
+
+    def cache_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
