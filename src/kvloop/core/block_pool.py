@@ -108,10 +108,14 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
         out = []
-        popleft = self.free_queue.popleft
+        queue = self.free_queue
+        head, tail = queue._head, queue._tail
         cached = self.cached
+        block = head.next
         for _ in range(n):
-            block = popleft()
+            assert block is not None and block is not tail
+            nxt = block.next
+            block.prev = block.next = None
             h = block.block_hash
             if h is not None:
                 if cached.get(h) is block:
@@ -120,6 +124,12 @@ class BlockPool:
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+            block = nxt
+        # Unlink the n taken blocks from the head of the queue in one splice.
+        head.next = block
+        assert block is not None
+        block.prev = head
+        queue.num_free -= n
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -97,7 +97,10 @@ class PriorityQueue(WaitingQueue):
         if id(request) in self._live:
             raise ValueError(f"request {request.request_id!r} is already waiting")
         entry = [
-            request.priority, request.arrival_time, request.arrival_order, next(self._tie),
+            request.priority,
+            request.arrival_time,
+            request.arrival_order,
+            next(self._tie),
             request,
         ]
         self._live[id(request)] = entry

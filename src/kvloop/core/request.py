@@ -70,6 +70,7 @@ class Request:
         "request_id",
         "sampling_params",
         "status",
+        "stop_ids",
         "token_times",
     )
 
@@ -100,6 +101,9 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.eos_token_ids = eos_token_ids
+        self.stop_ids: frozenset[int] = frozenset()
+        """Token ids that stop this request (EOS unless ignored, plus stop_token_ids); the
+        scheduler sets it when the request is added."""
         """The model's end-of-sequence ids: each stops the request unless ``ignore_eos``."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -166,9 +170,15 @@ class Request:
             if self._hash_seed is None:
                 self._hash_seed = _salt_seed(self.cache_salt)
             parent = hashes[-1] if hashes else self._hash_seed
+            prompt, n_prompt = self.prompt_token_ids, self.num_prompt_tokens
             for i in range(len(hashes), num_full):
-                start = i * block_size
-                parent = hash((parent, tuple(self.token_ids(start, start + block_size))))
+                start, end = i * block_size, (i + 1) * block_size
+                block = (
+                    tuple(prompt[start:end])
+                    if end <= n_prompt
+                    else tuple(self.token_ids(start, end))
+                )
+                parent = hash((parent, block))
                 hashes.append(parent)
         return hashes
 

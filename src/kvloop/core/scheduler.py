@@ -61,6 +61,8 @@ class Scheduler:
         )
         self._finished_ids: list[str] = []
         self._num_added = 0
+        self._arrived: list[tuple[str, float, int]] = []
+        """Arrivals since the last step record (kept only when recording)."""
         self._step: StepBuilder | None = None
 
     # -- requests in and out -------------------------------------------------------------
@@ -77,8 +79,16 @@ class Scheduler:
             request.finished_time = self.clock()
             self._count_finished(request)
             return
+        params = request.sampling_params
+        request.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else request.eos_token_ids
+        )
         request.arrival_order = self._num_added
         self._num_added += 1
+        if self.recorder is not None:
+            self._arrived.append(
+                (request.request_id, request.arrival_time, request.num_prompt_tokens)
+            )
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -180,11 +190,17 @@ class Scheduler:
         running = self.running
         kv = self.kv
         allocate = kv.allocate_slots
-        cached = b.cached
+        req_blocks = kv.req_blocks
+        block_size = kv.block_size
         scheduled = b.scheduled
+        c = b.cached
+        add_id, add_blocks = c.request_ids.append, c.new_block_ids.append
+        add_computed, add_resumed = c.num_computed_tokens.append, c.resumed_from_swap.append
+        check_done = self.config.scheduling_order == "prefill-first"
+        budget = b.budget
         i = 0
         while i < len(running):
-            if b.budget <= 0:
+            if budget <= 0:
                 # NOTE: requests left unserved keep their partial prefills counted.
                 b.num_partial += sum(
                     1 for r in running[i:] if r.num_tokens - r.num_computed_tokens > 1
@@ -192,35 +208,45 @@ class Scheduler:
                 break
             req = running[i]
             rid = req.request_id
-            if rid in scheduled:  # admitted earlier in this step (prefill-first)
+            if check_done and rid in scheduled:  # admitted earlier in this step
                 i += 1
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
-            new_ids = allocate(req, n)
-            while new_ids is None:
-                victim = self._pick_victim(b, worse_than=None)
-                vi = running.index(victim)
-                self._preempt(victim, b)
-                if victim is req:
-                    break
-                if vi < i:
-                    i -= 1
+            computed = req.num_computed_tokens
+            remaining = req.num_prompt_tokens + len(req.output_token_ids) - computed
+            if remaining == 1 and computed < len(req_blocks[rid]) * block_size:
+                n = 1
+                new_ids: list[int] | None = []  # fast path: the slot is in the last block
+            else:
+                n = 1 if remaining == 1 else self._chunk(remaining, budget)
                 new_ids = allocate(req, n)
-            if new_ids is None:
-                continue  # req itself was preempted; running[i] is now the next one
+                if new_ids is None:
+                    b.total_tokens += b.budget - budget  # sync before _preempt edits them
+                    b.budget = budget
+                    while new_ids is None:
+                        victim = self._pick_victim(b, worse_than=None)
+                        vi = running.index(victim)
+                        self._preempt(victim, b)
+                        if victim is req:
+                            break
+                        if vi < i:
+                            i -= 1
+                        new_ids = allocate(req, n)
+                    budget = b.budget
+                    if new_ids is None:
+                        continue  # req itself was preempted; running[i] is the next one
             scheduled[rid] = n
-            b.budget -= n
-            b.total_tokens += n
+            budget -= n
             if remaining > 1 or not req.output_token_ids:
                 b.mark_prefill(req)
                 if n < remaining:
                     b.num_partial += 1
-            cached.request_ids.append(rid)
-            cached.new_block_ids.append(new_ids)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            cached.resumed_from_swap.append(False)
+            add_id(rid)
+            add_blocks(new_ids)
+            add_computed(computed)
+            add_resumed(False)
             i += 1
+        b.total_tokens += b.budget - budget
+        b.budget = budget
 
     def _schedule_swapped(self, b: StepBuilder) -> None:
         # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
@@ -417,17 +443,21 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         requests = self.requests
         kv = self.kv
-        max_model_len = self.config.max_model_len
         touched: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
         gen_tokens = 0
+        caching = kv.enable_caching
+        block_size = kv.block_size
+        cache_blocks = kv.cache_blocks
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(rid)
             if req is None or req.status != _RUNNING:
                 continue  # aborted between schedule() and now
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                kv.cache_blocks(req)
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            outputs = req.output_token_ids
+            if computed < req.num_prompt_tokens + len(outputs):
+                if caching:
+                    cache_blocks(req)
                 continue
             tokens = sampled.get(rid)
             if not tokens:
@@ -435,45 +465,54 @@ class Scheduler:
                 finished.append((req, RequestStatus.FINISHED_ERROR))
                 touched.append(req)
                 continue
-            params = req.sampling_params
+            if req.first_token_time is None:
+                req.first_token_time = now
+            stop_ids = req.stop_ids
+            max_tokens = req.sampling_params.max_tokens
             status = None
             for t in tokens:
-                req.output_token_ids.append(t)
+                outputs.append(t)
                 req.token_times.append(now)
                 gen_tokens += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if (t in req.eos_token_ids and not params.ignore_eos) or (
-                    params.stop_token_ids and t in params.stop_token_ids
-                ):
+                if t in stop_ids:
                     status = RequestStatus.FINISHED_STOPPED
-                elif (
-                    len(req.output_token_ids) >= params.max_tokens
-                    or req.num_tokens >= max_model_len
-                ):
-                    status = RequestStatus.FINISHED_LENGTH
-                if status is not None:
                     break
-            kv.cache_blocks(req)
+                # NOTE: prompt + max_tokens <= max_model_len was checked on arrival, so
+                # max_tokens is the only length limit left to test.
+                if len(outputs) >= max_tokens:
+                    status = RequestStatus.FINISHED_LENGTH
+                    break
+            # A decode fills a block only when the computed count reaches its boundary.
+            if caching and (n > 1 or computed % block_size == 0):
+                cache_blocks(req)
             touched.append(req)
             if status is not None:
                 finished.append((req, status))
         if finished:
-            done = {id(r) for r, _ in finished}
-            self.running = [r for r in self.running if id(r) not in done]
+            if len(finished) <= 8:
+                for req, _ in finished:
+                    self.running.remove(req)
+            else:
+                done = {id(r) for r, _ in finished}
+                self.running = [r for r in self.running if id(r) not in done]
             for req, status in finished:
                 self._finish(req, status)
                 b.finished.append((req.request_id, req.finish_reason.value))  # type: ignore[union-attr]
+        num_decodes = len(scheduler_output.num_scheduled_tokens) - len(b.prefill_kinds)
         stats = self.stats
         stats.num_steps += 1
         stats.num_generation_tokens += gen_tokens
-        stats.num_prompt_tokens += scheduler_output.total_num_scheduled_tokens - gen_tokens
+        stats.num_prompt_tokens += scheduler_output.total_num_scheduled_tokens - num_decodes
         usage = kv.usage
         stats.kv_usage_sum += usage
         if usage > stats.kv_usage_peak:
             stats.kv_usage_peak = usage
         if self.recorder is not None:
-            self.recorder.add(build_step_record(self, b, scheduler_output, runner_output))
+            sampled = [r.request_id for r in touched if r.status != RequestStatus.FINISHED_ERROR]
+            arrived, self._arrived = self._arrived, []
+            self.recorder.add(
+                build_step_record(self, b, scheduler_output, runner_output, now, arrived, sampled)
+            )
         self.step_index += 1
         return touched
 

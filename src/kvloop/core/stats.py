@@ -29,6 +29,8 @@ class StepRecord:
     """Clock time when the step was scheduled (virtual in the simulator)."""
     step_time_s: float
     """Duration reported by the executor."""
+    end_time_s: float
+    """Clock time when the step's results were applied: the time of its sampled tokens."""
     scheduled: list[ScheduledEntry]
     num_batched_tokens: int
     token_budget: int
@@ -39,6 +41,10 @@ class StepRecord:
     swapped_in: list[str]
     finished: list[tuple[str, str]]
     """(request_id, finish reason) for requests that finished in this step."""
+    arrived: list[tuple[str, float, int]]
+    """(request_id, arrival time, prompt tokens) of requests added since the last step."""
+    sampled: list[str]
+    """Requests that received an output token in this step."""
     kv_blocks_used: int
     num_gpu_blocks: int
     prefix_cache_queries: int
@@ -57,6 +63,7 @@ class StepRecord:
         d["scheduled"] = [ScheduledEntry(**e) for e in d["scheduled"]]
         d["preempted"] = [tuple(p) for p in d["preempted"]]
         d["finished"] = [tuple(p) for p in d["finished"]]
+        d["arrived"] = [tuple(p) for p in d["arrived"]]
         return cls(**d)
 
 

@@ -88,7 +88,13 @@ class StepBuilder:
 
 
 def build_step_record(
-    scheduler: Scheduler, b: StepBuilder, out: SchedulerOutput, runner: ModelRunnerOutput
+    scheduler: Scheduler,
+    b: StepBuilder,
+    out: SchedulerOutput,
+    runner: ModelRunnerOutput,
+    end_time: float,
+    arrived: list[tuple[str, float, int]],
+    sampled: list[str],
 ) -> StepRecord:
     """Describe a finished step. Called after progress was applied."""
     c = out.cached_requests
@@ -104,6 +110,7 @@ def build_step_record(
         step=out.step,
         time_s=b.start_time,
         step_time_s=runner.step_time_s,
+        end_time_s=end_time,
         scheduled=entries,
         num_batched_tokens=out.total_num_scheduled_tokens,
         token_budget=b.token_budget,
@@ -112,6 +119,8 @@ def build_step_record(
         num_blocks_swapped_in=len(out.blocks_to_swap_in),
         swapped_in=b.swapped_in,
         finished=b.finished,
+        arrived=arrived,
+        sampled=sampled,
         kv_blocks_used=kv.num_used_blocks,
         num_gpu_blocks=kv.num_gpu_blocks,
         prefix_cache_queries=b.prefix_queries,
