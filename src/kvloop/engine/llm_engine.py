@@ -68,7 +68,6 @@ class LLMEngine:
         """A real engine: resolve the model, load tokenizer and weights, size the KV cache."""
         from kvloop.engine.model_source import resolve_model
         from kvloop.engine.tokenizer import Tokenizer
-
         from kvloop.executor.torch import TorchModelRunner
 
         path = resolve_model(args.model)
