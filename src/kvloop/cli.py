@@ -12,9 +12,14 @@ from collections.abc import Callable, Sequence
 
 from kvloop.engine import command as generate_command
 from kvloop.sim import command as simulate_command
+from kvloop.viz import command as trace_command
 
 Register = Callable[[argparse._SubParsersAction], None]
-COMMANDS: list[Register] = [generate_command.register, simulate_command.register]
+COMMANDS: list[Register] = [
+    generate_command.register,
+    simulate_command.register,
+    trace_command.register,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

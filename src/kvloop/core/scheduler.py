@@ -62,6 +62,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._num_added = 0
         self._arrived: list[tuple[str, float, int]] = []
+        self._finished_log: list[tuple[str, str]] = []
+        """Finishes not yet written to a step record (kept only when recording)."""
         """Arrivals since the last step record (kept only when recording)."""
         self._step: StepBuilder | None = None
 
@@ -72,6 +74,10 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} is not new")
+        if self.recorder is not None:
+            self._arrived.append(
+                (request.request_id, request.arrival_time, request.num_prompt_tokens)
+            )
         error = self._never_fits(request)
         if error is not None:
             request.error = error
@@ -85,10 +91,6 @@ class Scheduler:
         )
         request.arrival_order = self._num_added
         self._num_added += 1
-        if self.recorder is not None:
-            self._arrived.append(
-                (request.request_id, request.arrival_time, request.num_prompt_tokens)
-            )
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -142,6 +144,10 @@ class Scheduler:
         key = reason.value if reason is not None else "unknown"
         by = self.stats.finished_by_reason
         by[key] = by.get(key, 0) + 1
+        if self.recorder is not None:
+            # NOTE: every finish reaches a step record: those inside update_from_output go
+            # to its step; aborts, refusals and failed steps go to the next record.
+            self._finished_log.append((request.request_id, key))
 
     # -- queries ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -340,7 +346,9 @@ class Scheduler:
         else:
             self.kv.recompute_queries += req.num_tokens
             self.kv.recompute_hits += num_hit
-            self.stats.num_recomputed_tokens += max(0, req.num_tokens - 1 - num_hit)
+            recomputed = max(0, req.num_tokens - 1 - num_hit)
+            req.num_recomputed_tokens += recomputed
+            self.stats.num_recomputed_tokens += recomputed
         req.status = _RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = b.start_time
@@ -497,7 +505,6 @@ class Scheduler:
                 self.running = [r for r in self.running if id(r) not in done]
             for req, status in finished:
                 self._finish(req, status)
-                b.finished.append((req.request_id, req.finish_reason.value))  # type: ignore[union-attr]
         num_decodes = len(scheduler_output.num_scheduled_tokens) - len(b.prefill_kinds)
         stats = self.stats
         stats.num_steps += 1
@@ -510,6 +517,7 @@ class Scheduler:
         if self.recorder is not None:
             sampled = [r.request_id for r in touched if r.status != RequestStatus.FINISHED_ERROR]
             arrived, self._arrived = self._arrived, []
+            b.finished, self._finished_log = self._finished_log, []
             self.recorder.add(
                 build_step_record(self, b, scheduler_output, runner_output, now, arrived, sampled)
             )

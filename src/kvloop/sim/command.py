@@ -20,7 +20,7 @@ from kvloop.executor.simulated import (
     num_gpu_blocks,
 )
 from kvloop.sim.driver import simulate
-from kvloop.sim.metrics import format_table
+from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.sim.traces import SHIPPED_TRACES, load_trace
 from kvloop.sim.workloads import apply_priority_mix, parse_priority_mix, synthetic_workload
 
@@ -165,18 +165,7 @@ def run(args: argparse.Namespace) -> int:
         "cache": vars(cache),
     }
     s = m["scheduler"]
-    extra = {
-        "Steps": s["num_steps"],
-        "Preemptions (recompute / swap)":
-            f"{s['num_recompute_preemptions']} / {s['num_swap_preemptions']}",
-        "Recomputed tokens": s["recomputed_tokens"],
-        "Swapped blocks (out / in)": f"{s['swapped_out_blocks']} / {s['swapped_in_blocks']}",
-        "Prefix cache hit rate": f"{100 * s['prefix_cache_hit_rate']:.1f}%",
-        "KV usage (mean / peak)":
-            f"{100 * s['kv_usage_mean']:.1f}% / {100 * s['kv_usage_peak']:.1f}%",
-        "KV blocks (GPU / CPU)": f"{cache.num_gpu_blocks} / {cache.num_cpu_blocks}",
-        "Simulation wall time (s)": f"{result.wall_time_s:.2f}",
-    }
+    extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
     print(f"kvloop simulate: {model.name} on {hw.name} × {args.tensor_parallel_size}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
     print(format_table(m, extra))

@@ -204,3 +204,21 @@ def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -
             row(str(key), value, 4)
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def scheduler_rows(totals: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler section of the metrics table, from ``scheduler_summary``-shaped totals
+    (``num_cpu_blocks`` may be missing: a trace does not know it)."""
+    cpu = totals.get("num_cpu_blocks")
+    return {
+        "Steps": totals["num_steps"],
+        "Preemptions (recompute / swap)":
+            f"{totals['num_recompute_preemptions']} / {totals['num_swap_preemptions']}",
+        "Recomputed tokens": totals["recomputed_tokens"],
+        "Swapped blocks (out / in)":
+            f"{totals['swapped_out_blocks']} / {totals['swapped_in_blocks']}",
+        "Prefix cache hit rate": f"{100 * totals['prefix_cache_hit_rate']:.1f}%",
+        "KV usage (mean / peak)":
+            f"{100 * totals['kv_usage_mean']:.1f}% / {100 * totals['kv_usage_peak']:.1f}%",
+        "KV blocks (GPU / CPU)": f"{totals['num_gpu_blocks']} / {'-' if cpu is None else cpu}",
+    }

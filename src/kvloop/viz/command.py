@@ -1,0 +1,92 @@
+"""``kvloop trace plot | export | summary``: look at a JSONL step trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvloop.sim.metrics import format_table, scheduler_rows
+from kvloop.viz.summary import load_records, summarize_trace
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trace",
+        help="plot, export or summarise a step trace (JSONL from --trace-out)",
+        description="Look at the step records a run wrote with --trace-out.",
+    )
+    tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+
+    plot = tsub.add_parser("plot", help="draw the step timeline as a PNG",
+                           description="One row per request, one column per step, with "
+                           "panels for tokens, KV blocks, queues and step time.")
+    plot.add_argument("trace", metavar="TRACE.jsonl")
+    plot.add_argument("-o", "--output", default="timeline.png", metavar="PNG")
+    plot.add_argument("--steps", default=None, metavar="A:B",
+                      help="half-open window of step numbers (default: the first 500)")
+    plot.add_argument("--requests", default=None, metavar="N|ID,ID,...",
+                      help="the first N requests active in the window, or these ids "
+                      "(default: the first 100)")
+    plot.add_argument("--title", default=None)
+    plot.set_defaults(func=run_plot)
+
+    export = tsub.add_parser("export", help="write Chrome trace-event JSON (Perfetto)")
+    export.add_argument("trace", metavar="TRACE.jsonl")
+    export.add_argument("--chrome", required=True, metavar="OUT.json",
+                        help="where to write the Chrome trace-event JSON")
+    export.set_defaults(func=run_export)
+
+    summary = tsub.add_parser("summary", help="the kvloop simulate metrics table of a trace")
+    summary.add_argument("trace", metavar="TRACE.jsonl")
+    summary.add_argument("--json", default=None, metavar="PATH", help="write the metrics")
+    summary.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
+    summary.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
+    summary.set_defaults(func=run_summary)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    # NOTE: matplotlib loads only here, so other subcommands start fast.
+    from kvloop.viz.grid import build_grid, parse_requests, parse_steps, select_window
+    from kvloop.viz.timeline import plot_timeline
+
+    steps = parse_steps(args.steps) if args.steps is not None else None
+    requests = parse_requests(args.requests) if args.requests is not None else None
+    records = load_records(args.trace)
+    window = select_window(records, steps, requests)
+    grid = build_grid(records, window)
+    plot_timeline(grid, args.output, title=args.title)
+    rows, cols = grid.cells.shape
+    print(f"kvloop trace plot: {rows} requests x {cols} steps "
+          f"({grid.steps[0]}:{grid.steps[-1] + 1}) -> {args.output}")
+    if window.notes:
+        print("note: " + "; ".join(window.notes))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from kvloop.viz.chrome import write_chrome_trace
+
+    records = load_records(args.trace)
+    doc = write_chrome_trace(records, args.chrome)
+    info = doc["otherData"]
+    print(f"kvloop trace export: {info['num_steps']} steps, {info['num_requests']} request "
+          f"tracks, {len(doc['traceEvents'])} events -> {args.chrome} "
+          "(open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def run_summary(args: argparse.Namespace) -> int:
+    records = load_records(args.trace)
+    m = summarize_trace(records, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
+    n = m["completed"] + m["aborted"] + m["failed"] + m["unfinished"]
+    print(f"kvloop trace summary: {n} requests over {len(records)} steps from {args.trace}")
+    print(format_table(m, scheduler_rows(m["scheduler"])))
+    if m["unfinished"]:
+        print(f"note: {m['unfinished']} requests did not finish within the trace (not counted)")
+    if m["requests_without_arrival"]:
+        print(f"note: {m['requests_without_arrival']} requests have no arrival record; their "
+              "arrival is taken as the first step that saw them")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(m, f, indent=2)
+    return 0
