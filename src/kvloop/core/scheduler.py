@@ -294,8 +294,9 @@ class Scheduler:
             self.stats.num_blocks_swapped_in += len(pairs)
 
     def _schedule_waiting(self, b: StepBuilder) -> None:
-        # NOTE: swapped requests come back before new work is admitted (no starvation).
-        if self.swapped or not len(self.waiting):
+        # NOTE: swapped requests come back before new work is admitted (no starvation), and
+        # a step that had to preempt admits nothing new (that would only thrash).
+        if self.swapped or b.preempted or not len(self.waiting):
             return
         cfg = self.config
         kv = self.kv
