@@ -11,12 +11,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvloop.engine import command as generate_command
+from kvloop.server import command as serve_command
 from kvloop.sim import command as simulate_command
 from kvloop.viz import command as trace_command
 
 Register = Callable[[argparse._SubParsersAction], None]
 COMMANDS: list[Register] = [
     generate_command.register,
+    serve_command.register,
     simulate_command.register,
     trace_command.register,
 ]

@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--trace-out", default=None, metavar="PATH",
+                   help="write one step record per line (JSONL)")
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
     )
     ea = engine_args_from(args)
-    llm = LLM(**vars(ea))
+    llm = LLM(**vars(ea), trace_out=args.trace_out)
     if args.chat:
         convs = []
         for prompt in args.prompt:
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.chat(convs, params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    llm.close()
     for out in outputs:
         if args.json:
             m = out.metrics

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
@@ -23,9 +24,21 @@ class LLM:
     keyword; an unknown one is a ``ValueError`` naming it.
     """
 
-    def __init__(self, model: str = "default", **engine_args: Any) -> None:
+    def __init__(
+        self, model: str = "default", *, trace_out: str | None = None, **engine_args: Any
+    ) -> None:
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.engine = LLMEngine.from_args(self.args)
+        self._trace_file = open(trace_out, "w") if trace_out else None  # noqa: SIM115
+        recorder = (
+            StepRecorder(keep_in_memory=False, sink=self._trace_file) if self._trace_file else None
+        )
+        self.engine = LLMEngine.from_args(self.args, recorder=recorder)
+
+    def close(self) -> None:
+        """Flush and close the step trace, if one is being written."""
+        if self._trace_file is not None:
+            self._trace_file.close()
+            self._trace_file = None
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -95,6 +108,8 @@ class LLM:
         finally:
             for rid in order:  # interrupted: leave nothing behind
                 engine.abort_request(rid)
+            if self._trace_file is not None:
+                self._trace_file.flush()
         return results  # type: ignore[return-value]
 
 

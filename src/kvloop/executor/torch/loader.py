@@ -1,0 +1,109 @@
+"""Load a local Hugging Face model folder: config.json plus one or sharded *.safetensors.
+
+Sharded checkpoints are found through ``model.safetensors.index.json`` (or, without an
+index, by listing every ``*.safetensors`` file). Tensors are read one at a time, cast to the
+requested dtype and placed on the device, so peak host memory stays near one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from kvloop.executor.torch.models import ModelConfig, get_model_class
+from kvloop.executor.torch.models.llama import LlamaForCausalLM
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``: CUDA if available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"``: float32 on CPU, bfloat16 on CUDA; else one of float32/bfloat16/float16."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        choices = ", ".join(["auto", *DTYPES])
+        raise ValueError(f"dtype must be one of {choices}; got {dtype!r}") from None
+
+
+class SafetensorsCheckpoint:
+    """Name -> tensor access over one or several safetensors files of a folder."""
+
+    def __init__(self, path: Path) -> None:
+        index_path = path / "model.safetensors.index.json"
+        if index_path.exists():
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            self.where = {name: path / file for name, file in weight_map.items()}
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors weights in {path}")
+            self.where = {}
+            for file in files:
+                with safe_open(path / file, framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        self.where[name] = path / file
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in the index are missing: {missing}")
+        self._open: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> Tensor:
+        file = self.where.get(name)
+        if file is None:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        handle = self._open.get(file)
+        if handle is None:
+            handle = self._open[file] = safe_open(file, framework="pt")
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Parse the folder's config and build its model on ``device`` in ``dtype``."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
+    config = ModelConfig.from_pretrained(path)
+    cls = get_model_class(config.architecture)
+    ckpt = SafetensorsCheckpoint(path)
+
+    def get(name: str) -> Tensor:
+        return ckpt.get(name).to(device=device, dtype=dtype)
+
+    try:
+        model = cls.load_weights(config, get, ckpt.has)
+    finally:
+        ckpt.close()
+    return config, model

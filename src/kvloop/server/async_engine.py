@@ -1,0 +1,271 @@
+"""The engine loop on a dedicated thread, and one async output stream per request.
+
+HTTP handlers run on the event loop; ``LLMEngine.step()`` runs on the engine thread. They
+meet in two places only:
+
+* commands (add, abort) go to the engine thread through a deque guarded by a condition;
+  the thread applies them between steps and sleeps on the condition when it has no work
+  (no busy spinning);
+* outputs come back once per step: the thread hands the step's whole batch to the event loop
+  with one ``loop.call_soon_threadsafe``, which puts each output in its request's
+  ``asyncio.Queue``.
+
+So HTTP handling never waits on a model step, and a step never waits on HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvloop.engine.llm_engine import LLMEngine
+from kvloop.engine.outputs import RequestOutput
+from kvloop.sampling_params import SamplingParams
+from kvloop.server.streams import (
+    EngineStoppedError,
+    Item,
+    QueueFullError,
+    RequestAbortedError,
+    RequestStream,
+)
+
+__all__ = [
+    "AsyncEngine",
+    "EngineStoppedError",
+    "QueueFullError",
+    "RequestAbortedError",
+    "RequestStream",
+]
+
+logger = logging.getLogger("kvloop.server")
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on its own thread and streams outputs to asyncio handlers."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queued_requests: int | None = None,
+        metrics: Any | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        """A ``ServerMetrics`` (or None): told about every step and every output."""
+        self._cond = threading.Condition()
+        # NOTE: guarded by ``_cond``: _commands, _pending_adds, _stopping.
+        self._commands: deque[_Add | str | tuple[str, str]] = deque()
+        self._pending_adds = 0
+        """Adds not yet applied by the engine thread (they count as waiting)."""
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}
+        """Unfinished streams by request id (event loop only)."""
+        self._live: set[str] = set()
+        """Requests the engine holds (engine thread only)."""
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        """Set on SIGTERM/SIGINT: new requests are refused, running ones finish."""
+
+    # -- lifecycle (event loop) ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvloop-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still unfinished are aborted."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        """Requests added and not yet finished (event loop's view)."""
+        return len(self._streams)
+
+    # -- requests (event loop) -----------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; raises ValueError (bad input), QueueFullError or
+        EngineStoppedError and then leaves everything untouched."""
+        if self.draining or not self.is_alive:
+            raise EngineStoppedError("the server is shutting down" if self.draining
+                                     else "the engine is not running")
+        ids = list(prompt_ids)
+        self.engine.check_request(ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival = arrival_time if arrival_time is not None else self.engine.clock()
+        stream = RequestStream(request_id, self.abort)
+        waiting = self.engine.scheduler.waiting
+        with self._cond:
+            limit = self.max_queued_requests
+            # NOTE: len() of the live waiting queue, read across threads, is atomic under the
+            # GIL; while the engine thread applies a batch of adds a request may be counted
+            # twice (pending and waiting) for a moment: the error is on the safe side.
+            if limit is not None and len(waiting) + self._pending_adds >= limit:
+                raise QueueFullError(
+                    f"the waiting queue is full ({limit} requests); retry later"
+                )
+            self._commands.append(_Add(request_id, ids, params, priority, cache_salt, arrival))
+            self._pending_adds += 1
+            self._cond.notify()
+        self._streams[request_id] = stream
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the engine's next step boundary; its blocks return to the pool."""
+        self._streams.pop(request_id, None)
+        self._submit(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request; their streams end with ``RequestAbortedError``."""
+        self._submit("abort_all")
+
+    def _submit(self, command: str | tuple[str, str]) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _deliver(self, batch: list[tuple[str, Item]]) -> None:
+        """On the event loop: route one step's outputs to their streams."""
+        streams = self._streams
+        for rid, item in batch:
+            stream = streams.get(rid)
+            if stream is None:
+                continue  # aborted by its client meanwhile
+            stream.put(item)
+            if isinstance(item, BaseException) or item.finished:
+                del streams[rid]
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        cond = self._cond
+        while True:
+            with cond:
+                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                if self._stopping:
+                    break
+            batch: list[tuple[str, Item]] = []
+            try:
+                self._apply(commands, batch)
+                if engine.has_unfinished_requests():
+                    self._collect(engine.step(), batch)
+            except Exception as exc:  # a bug outside the model step (the engine isolates those)
+                logger.exception("engine loop error; failing every unfinished request")
+                self._fail_all(batch, RequestAbortedError(f"engine loop error: {exc!r}", 500))
+            self._publish()
+            self._send(batch)
+        # NOTE: every stream gets a last item, so no handler waits forever: requests in the
+        # engine and adds that never reached it end with an error.
+        batch = [(c.request_id, RequestAbortedError("the server shut down"))
+                 for c in commands if isinstance(c, _Add)]
+        self._fail_all(batch, RequestAbortedError("the server shut down"))
+        self._send(batch)
+
+    def _apply(self, commands: list[_Add | str | tuple[str, str]], batch: list) -> None:
+        """Apply commands in order; each one's failure stays its own."""
+        num_adds = 0
+        try:
+            for cmd in commands:
+                if isinstance(cmd, _Add):
+                    num_adds += 1
+                    self._add(cmd, batch)
+                elif cmd == "abort_all":
+                    self._fail_all(batch, RequestAbortedError("the server aborted the request"))
+                else:
+                    self._abort(cmd[1])
+        finally:
+            if num_adds:
+                with self._cond:
+                    self._pending_adds -= num_adds
+
+    def _add(self, cmd: _Add, batch: list) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params,
+                                    priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                    arrival_time=cmd.arrival_time)
+        except ValueError as exc:
+            batch.append((cmd.request_id, exc))
+        except Exception as exc:
+            logger.exception("engine error adding request %s", cmd.request_id)
+            batch.append((cmd.request_id, RequestAbortedError(f"engine error: {exc!r}", 500)))
+        else:
+            self._live.add(cmd.request_id)
+
+    def _collect(self, outputs: list[RequestOutput], batch: list) -> None:
+        metrics = self.metrics
+        now = time.monotonic()
+        for out in outputs:
+            if out.logprobs is not None:
+                # NOTE: the engine extends this same list on later steps, on this thread; the
+                # event loop gets its own slice of the new tokens' entries only.
+                n = len(out.new_token_ids)
+                out.logprobs = out.logprobs[len(out.logprobs) - n:] if n else []
+            if metrics is not None:
+                metrics.observe_output(out, now)
+            if out.finished:
+                self._live.discard(out.request_id)
+            batch.append((out.request_id, out))
+        if metrics is not None:
+            metrics.observe_step(self.engine.scheduler)
+
+    def _abort(self, request_id: str) -> None:
+        self._live.discard(request_id)
+        try:
+            out = self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("engine error aborting request %s", request_id)
+            return
+        if out is not None and self.metrics is not None:
+            self.metrics.observe_output(out, time.monotonic())
+
+    def _fail_all(self, batch: list, error: BaseException) -> None:
+        for rid in list(self._live):
+            self._abort(rid)
+            batch.append((rid, error))
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_state(self.engine.scheduler)
+
+    def _send(self, batch: list[tuple[str, Item]]) -> None:
+        if batch and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, batch)

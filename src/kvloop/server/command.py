@@ -1,0 +1,94 @@
+"""``kvloop serve``: the OpenAI-compatible server on uvicorn, with a graceful drain
+(``server/draining.py``) on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import IO
+
+from kvloop.cli_args import add_model_args, engine_args_from
+
+RESPONSE_FLUSH_S = 5
+"""After the drain, how long uvicorn may take to send the last responses."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API",
+        description="Serve /v1/completions, /v1/chat/completions and /metrics over kvloop's "
+        "engine (default model: the embedded SmolLM2-135M-Instruct).",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model value)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 while this many requests wait (default: no limit)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1/*")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM/SIGINT")
+    g.add_argument("--trace-out", default=None, help="write every step record to this JSONL")
+    g.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between stats lines (0: none)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError("--max-queued-requests must be >= 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise ValueError("--port must be in [0, 65535]")
+    if args.log_interval < 0:
+        raise ValueError("--log-interval must be >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    import prometheus_client
+    import uvicorn
+
+    from kvloop.core.stats import StepRecorder
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.server.app import ServerConfig, create_app
+    from kvloop.server.async_engine import AsyncEngine
+    from kvloop.server.draining import DrainingServer
+    from kvloop.server.metrics import ServerMetrics
+
+    _check(args)
+    # NOTE: process-wide, so only here: no ``*_created`` series next to the counters.
+    prometheus_client.disable_created_metrics()
+    logging.basicConfig(level=logging.INFO,
+                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    trace: IO[str] | None = None
+    try:
+        recorder = None
+        if args.trace_out:
+            trace = open(args.trace_out, "w", buffering=1, encoding="utf-8")  # noqa: SIM115
+            recorder = StepRecorder(keep_in_memory=False, sink=trace)
+        engine = LLMEngine.from_args(engine_args_from(args), recorder=recorder)
+        name = args.served_model_name or args.model
+        metrics = ServerMetrics(name)
+        async_engine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests,
+                                   metrics=metrics)
+        tok = engine.tokenizer
+        config = ServerConfig(name, str(getattr(tok, "path", args.model)), args.api_key,
+                              args.log_interval)
+        app = create_app(async_engine, metrics, config)
+        server = DrainingServer(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                           access_log=not args.disable_uvicorn_access_log,
+                           timeout_graceful_shutdown=RESPONSE_FLUSH_S),
+            async_engine, args.shutdown_timeout,
+        )
+        server.run()
+    finally:
+        if trace is not None:
+            trace.close()
+    return 0

@@ -1,0 +1,54 @@
+"""A uvicorn server whose first SIGTERM/SIGINT drains the engine before exiting.
+
+On the first signal new requests get 503 at once, running ones finish (at most
+``timeout`` seconds, then they are aborted) and the process exits 0. A second signal
+aborts what is left and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import FrameType
+
+import uvicorn
+
+from kvloop.server.async_engine import AsyncEngine
+
+logger = logging.getLogger("kvloop.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` with the drain described in the module docstring."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = timeout
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: replaces uvicorn's handler, which re-raises the signal after shutdown (the
+        # process would then die by the signal instead of exiting 0).
+        if self.drain_deadline is None:
+            logger.info("signal %d: draining (no new requests; %d running, at most %.0f s)",
+                        sig, self.engine.num_active, self.drain_timeout)
+            self.engine.draining = True
+            self.drain_deadline = time.monotonic() + self.drain_timeout
+        else:
+            logger.warning("second signal: aborting %d requests", self.engine.num_active)
+            self.engine.abort_all()
+            self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        # NOTE: uvicorn calls this every 0.1 s on the event loop; the drain ends here.
+        deadline = self.drain_deadline
+        if deadline is not None and not self.should_exit:
+            if self.engine.num_active == 0:
+                logger.info("drained; shutting down")
+                self.should_exit = True
+            elif time.monotonic() >= deadline:
+                logger.warning("shutdown timeout: aborting %d requests", self.engine.num_active)
+                self.engine.abort_all()
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -1,0 +1,108 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Handlers raise :class:`APIError`; the exception handlers installed by :func:`install` turn it,
+FastAPI's validation errors, unknown routes and unexpected exceptions into that JSON shape.
+``code`` is the HTTP status, as vLLM sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("kvloop.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the API reports to the client with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param)
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object for ``status``."""
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming the first invalid field of a request body (malformed JSON included)."""
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        ctx = first.get("ctx") or {}
+        detail = ctx.get("error", first.get("msg", ""))
+        return bad_request(f"malformed JSON body: {detail}")
+    if kind == "model_type" and not loc:
+        return bad_request("the request body must be a JSON object")
+    field = loc[0] if loc else None
+    if kind == "extra_forbidden":
+        return bad_request(f"unknown field {'.'.join(loc)!r}", param=field)
+    if kind == "missing":
+        return bad_request(f"field {'.'.join(loc)!r} is required", param=field)
+    # NOTE: a union reports one error per branch, its loc naming the branch type; the field
+    # path without those branch names is what the client wrote.
+    where = ".".join(p for p in loc if not _is_type_name(p)) or "body"
+    got = first.get("input")
+    return bad_request(f"{where}: {first.get('msg', 'invalid value')} (got {got!r})", param=field)
+
+
+def _is_type_name(part: str) -> bool:
+    return any(c in part for c in "[]") or part in {"str", "int", "float", "bool"} or (
+        part[:1].isupper()
+    )
+
+
+def install(app: FastAPI) -> None:
+    """Route every error through the OpenAI error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request handler")
+        return APIError(500, f"internal server error: {type(exc).__name__}").response()

@@ -1,0 +1,284 @@
+"""From an OpenAI request body to engine input, and from engine outputs to responses.
+
+``prepare_*`` validate and tokenize on the event loop (a bad field is a 400 naming it, before
+the engine sees anything); ``submit`` queues the request; ``collect`` and ``stream`` turn its
+``RequestOutput``s into one response body or into SSE chunks. Whatever ends a handler early
+(client disconnect, cancellation) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloop.sampling_params import SamplingParams
+from kvloop.server import formatting as fmt
+from kvloop.server.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestStream,
+)
+from kvloop.server.errors import APIError, bad_request, error_body
+from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_LOGPROBS = 20
+_PARAMS = {f for f in SamplingParams.__dataclass_fields__}
+
+
+@dataclass
+class Job:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    chat: bool
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+    num_top: int | None = None
+    """Top logprobs per token (None: no logprobs)."""
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: usage in every chunk."""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    """The completions and chat endpoints over one ``AsyncEngine``."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        llm = engine.engine
+        self.tokenizer = llm.tokenizer
+        kv = llm.scheduler.kv
+        self.max_model_len = llm.scheduler.config.max_model_len
+        self.max_total_tokens = min(self.max_model_len, kv.num_gpu_blocks * kv.block_size)
+        """Longest prompt + output the engine can hold (context and KV pool)."""
+
+    # -- validation ----------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model")
+
+    def prepare_completion(self, req: CompletionRequest, arrival: float) -> Job:
+        self._common(req)
+        if req.echo:
+            raise bad_request("echo is not supported yet", "echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported yet", "suffix")
+        if req.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported yet", "best_of")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise bad_request("a list of prompts is not supported yet: send one request "
+                                  "per prompt", "prompt")
+            prompt = prompt[0]
+        try:
+            ids = self.engine.engine.encode(prompt)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt") from None
+        num_top = _logprobs(req.logprobs, "logprobs")
+        return self._job(req, ids, req.max_tokens, "max_tokens", num_top, False, arrival)
+
+    def prepare_chat(self, req: ChatCompletionRequest, arrival: float) -> Job:
+        self._common(req)
+        if req.tools:
+            raise bad_request("tools are not supported yet", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported yet", "tool_choice")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported",
+                              "response_format")
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        num_top = _logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" for p in content):
+                    raise bad_request("only text content parts are supported", "messages")
+                content = "".join(p.text or "" for p in content)
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: use /v1/completions with token ids")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        except Exception as exc:  # no template, or the template rejected the conversation
+            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+        if not ids:
+            raise bad_request("the conversation renders to no tokens", "messages")
+        mt, mt_name = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            mt, mt_name = req.max_completion_tokens, "max_completion_tokens"
+        return self._job(req, ids, mt, mt_name, num_top, True, arrival)
+
+    def _common(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options needs stream: true", "stream_options")
+        if req.n is not None and req.n != 1:
+            raise bad_request("n must be at least 1" if req.n < 1 else
+                              "n > 1 is not supported yet", "n")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported yet", "logit_bias")
+
+    def _job(self, req: CompletionRequest | ChatCompletionRequest, ids: list[int],
+             max_tokens: int | None, mt_name: str, num_top: int | None, chat: bool,
+             arrival: float) -> Job:
+        prompt_field = "messages" if chat else "prompt"
+        room = self.max_total_tokens - len(ids)
+        if max_tokens is None:
+            if room < 1:
+                raise bad_request(f"prompt is {len(ids)} tokens, the model takes at most "
+                                  f"{self.max_total_tokens - 1}", prompt_field)
+            max_tokens = room  # NOTE: like vLLM, the default is the rest of the context
+        elif max_tokens < 1:
+            raise bad_request(f"{mt_name} must be at least 1, got {max_tokens}", mt_name)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=_or(req.temperature, 1.0),
+                top_p=_or(req.top_p, 1.0),
+                top_k=_or(req.top_k, 0),
+                min_p=_or(req.min_p, 0.0),
+                seed=req.seed,
+                presence_penalty=_or(req.presence_penalty, 0.0),
+                frequency_penalty=_or(req.frequency_penalty, 0.0),
+                repetition_penalty=_or(req.repetition_penalty, 1.0),
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
+                stop_token_ids=list(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=num_top,
+            )
+            self.engine.engine.check_request(ids, params)
+        except ValueError as exc:
+            word = str(exc).split(" ", 1)[0]
+            param = mt_name if word == "max_tokens" else (
+                prompt_field if word == "prompt" else word if word in _PARAMS else None)
+            raise bad_request(str(exc), param) from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        opts = req.stream_options
+        usage = bool(opts and opts.include_usage)
+        return Job(rid, chat, ids, params, req.stream, usage, req.priority, req.cache_salt,
+                   arrival, num_top, usage and bool(opts and opts.continuous_usage_stats))
+
+    # -- running -------------------------------------------------------------------------
+    def submit(self, job: Job) -> RequestStream:
+        try:
+            return self.engine.add_request(job.request_id, job.prompt_ids, job.params,
+                                           priority=job.priority, cache_salt=job.cache_salt,
+                                           arrival_time=job.arrival_time)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc)) from None
+        except EngineStoppedError as exc:
+            raise APIError(503, str(exc)) from None
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    def _decode(self, token_id: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok else str(token_id)
+
+    async def collect(self, job: Job, stream: RequestStream) -> dict[str, Any]:
+        """Run the request to its end; the response body (``APIError`` if it failed)."""
+        token_ids: list[int] = []
+        entries: list[dict[int, float]] = []
+        last = None
+        try:
+            async for out in stream:
+                last = out
+                if job.num_top is not None and out.logprobs:
+                    token_ids.extend(out.new_token_ids)
+                    entries.extend(out.logprobs)
+        except RequestAbortedError as exc:
+            raise APIError(exc.status, f"request aborted: {exc}") from None
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        finally:
+            stream.abort()  # NOTE: a no-op once finished; aborts on cancellation (disconnect)
+        assert last is not None
+        if last.finish_reason == "error":
+            raise APIError(500, last.error or "the model step failed")
+        lp = None
+        n_prompt, n_out = len(last.prompt_token_ids), len(last.token_ids)
+        if job.chat:
+            if job.num_top is not None:
+                lp = fmt.chat_logprobs(self._decode, job.num_top, token_ids, entries)
+            return fmt.chat_body(job.request_id, job.created, self.model_name, last.text,
+                                 last.finish_reason, lp, n_prompt, n_out)
+        if job.num_top is not None:
+            lp = fmt.CompletionLogprobs(self._decode, job.num_top).build(token_ids, entries)
+        return fmt.completion_body(job.request_id, job.created, self.model_name, last.text,
+                                   last.finish_reason, lp, n_prompt, n_out)
+
+    async def stream(self, job: Job, stream: RequestStream) -> AsyncIterator[str]:
+        """SSE chunks of the request, then the usage chunk if asked, then ``[DONE]``."""
+        rid, created, model = job.request_id, job.created, self.model_name
+        comp_lp = fmt.CompletionLogprobs(self._decode, job.num_top or 0)
+        n_prompt, n_out = len(job.prompt_ids), 0
+        try:
+            if job.chat:
+                yield fmt.sse(fmt.chat_chunk(rid, created, model,
+                                             {"role": "assistant", "content": ""}, None, None))
+            async for out in stream:
+                n_out = len(out.token_ids)
+                if out.finish_reason == "error":
+                    yield fmt.sse(error_body(500, out.error or "the model step failed"))
+                    break
+                reason = out.finish_reason if out.finished else None
+                if not out.new_token_ids and reason is None:
+                    continue
+                # NOTE: one chunk per step that sampled tokens, even when their text is empty
+                # (a special token, a partial character, a held-back stop string), so that
+                # clients time every token as vLLM's do.
+                lp = None
+                if job.num_top is not None:
+                    lp = (fmt.chat_logprobs(self._decode, job.num_top, out.new_token_ids,
+                                            out.logprobs or []) if job.chat else
+                          comp_lp.build(out.new_token_ids, out.logprobs or []))
+                if job.chat:
+                    delta = {"content": out.new_text} if out.new_text or reason is None else {}
+                    chunk = fmt.chat_chunk(rid, created, model, delta, reason, lp)
+                else:
+                    chunk = fmt.completion_chunk(rid, created, model, out.new_text, reason, lp)
+                if job.continuous_usage:
+                    chunk["usage"] = fmt.usage(n_prompt, n_out)
+                yield fmt.sse(chunk)
+            else:
+                if job.include_usage:
+                    obj = "chat.completion.chunk" if job.chat else "text_completion"
+                    yield fmt.sse(fmt.usage_chunk(rid, created, model, obj, n_prompt, n_out))
+        except RequestAbortedError as exc:
+            yield fmt.sse(error_body(exc.status, f"request aborted: {exc}"))
+        except ValueError as exc:
+            yield fmt.sse(error_body(400, str(exc)))
+        finally:
+            stream.abort()  # NOTE: a no-op once finished; aborts when the client went away
+        yield fmt.sse("[DONE]")
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _logprobs(value: int | None, name: str) -> int | None:
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+    return value

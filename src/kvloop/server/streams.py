@@ -1,0 +1,64 @@
+"""One request's output stream on the event loop, and the errors a stream can end with."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kvloop.engine.outputs import RequestOutput
+
+Item = RequestOutput | BaseException
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at ``max_queued_requests``."""
+
+
+class EngineStoppedError(Exception):
+    """The engine no longer takes requests (shutting down, or its thread is gone)."""
+
+
+class RequestAbortedError(Exception):
+    """The server ended a request: 503 when shutting down, 500 after an engine loop error."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RequestStream:
+    """The outputs of one request, in order, for the event loop (an async iterator).
+
+    Each ``RequestOutput`` carries the deltas of one step (``new_text``, ``new_token_ids``)
+    and, when logprobs were asked for, only the new tokens' ``logprobs``.
+    """
+
+    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._abort = abort
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+
+    def put(self, item: Item) -> None:
+        """Called on the event loop by the engine's delivery callback."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)

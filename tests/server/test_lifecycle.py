@@ -1,0 +1,92 @@
+"""SIGTERM/SIGINT: no new requests (503), running ones finish (bounded by the shutdown
+timeout), exit 0. In process through the server's signal handler, and as a real process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+from serverkit import MODEL_NAME, patched_execute, serve_subprocess, slow_steps
+
+from kvloop.viz.summary import load_records, reconstruct_requests
+
+LONG = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 60, "ignore_eos": True,
+        "stream": True, "temperature": 0.0}
+
+
+def _events(lines) -> list[dict | str]:
+    out: list[dict | str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_drain_lets_running_requests_finish(new_server) -> None:
+    live = new_server(shutdown_timeout=10)
+    with patched_execute(live.engine, slow_steps(0.01)), httpx.Client(timeout=30) as http, \
+            http.stream("POST", f"{live.base_url}/completions", json=LONG) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        live.server.handle_exit(signal.SIGTERM, None)
+        refused = httpx.post(f"{live.base_url}/completions", json={**LONG, "stream": False})
+        assert refused.status_code == 503
+        assert "shutting down" in refused.json()["error"]["message"]
+        events = _events([first, *lines])
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    live.thread.join(10)
+    assert not live.thread.is_alive(), "the server should exit once drained"
+
+
+def test_drain_deadline_aborts_what_is_left(new_server) -> None:
+    live = new_server(shutdown_timeout=0.3)
+    t0 = time.monotonic()
+    with patched_execute(live.engine, slow_steps(0.02)), httpx.Client(timeout=30) as http, \
+            http.stream("POST", f"{live.base_url}/completions", json={**LONG,
+                        "max_tokens": 200}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        live.server.handle_exit(signal.SIGTERM, None)
+        events = _events([first, *lines])
+    assert time.monotonic() - t0 < 3
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["code"] == 503, events[-3:]
+    assert "aborted" in errors[0]["error"]["message"]
+    live.thread.join(10)
+    assert not live.thread.is_alive()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_drains_and_exits_zero(tiny_model, tmp_path, sig: int) -> None:
+    trace = tmp_path / "steps.jsonl"
+    with serve_subprocess(tiny_model, "--shutdown-timeout", "20", "--trace-out",
+                          str(trace)) as srv, \
+            httpx.Client(timeout=30) as http, \
+            http.stream("POST", f"{srv.url}/v1/completions",
+                        json={**LONG, "max_tokens": 200}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        srv.terminate(sig)
+        time.sleep(0.05)
+        try:
+            late = httpx.post(f"{srv.url}/v1/completions", json={**LONG, "stream": False})
+            assert late.status_code == 503
+        except httpx.TransportError:
+            pass  # already drained and closed: equally correct
+        events = _events([first, *lines])
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", (
+            chunks[-1], srv.proc.stdout.read() if srv.proc.stdout else "")
+        assert srv.proc.wait(30) == 0
+        log = srv.proc.stdout.read() if srv.proc.stdout else ""
+        assert "draining" in log
+    requests = reconstruct_requests(load_records(str(trace)))
+    assert requests[chunks[0]["id"]].finish_reason == "length"
+    assert len(requests[chunks[0]["id"]].token_times) == 200
