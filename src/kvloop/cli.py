@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from kvloop.bench import command as bench_command
 from kvloop.engine import command as generate_command
 from kvloop.server import command as serve_command
 from kvloop.sim import command as simulate_command
@@ -17,6 +18,7 @@ from kvloop.viz import command as trace_command
 
 Register = Callable[[argparse._SubParsersAction], None]
 COMMANDS: list[Register] = [
+    bench_command.register,
     generate_command.register,
     serve_command.register,
     simulate_command.register,

@@ -57,8 +57,9 @@ class AttentionGroup:
     q_max: int = 1
     """Longest chunk (1: a decode group)."""
     causal: bool = False
-    """Prefills that all start at position 0: SDPA's own causal mask (top-left aligned)
-    is exact for their real rows, so no mask tensor is built (padded rows are dropped)."""
+    """Prefills that all start at position 0: SDPA's ``is_causal`` over the first
+    ``q_max`` keys is exact for their real rows, so no mask tensor is built (padded rows
+    are dropped)."""
     q_index: Tensor | None = None
     """[B * q_max] int64 rows (from row_start) of the padded queries (None: no padding)."""
     out_index: Tensor | None = None

@@ -1,0 +1,123 @@
+"""``kvloop bench serve``: benchmark any OpenAI-compatible server with streaming requests.
+
+Exit codes: 0 when at least one request succeeded, 1 when every request failed (the errors
+are printed), 2 for bad flags or an unreachable server (one line, from ``kvloop.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from kvloop.bench.serve import DATASETS, ENDPOINTS, TRACES, ServeBenchConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks", description="kvloop's benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    p = kinds.add_parser(
+        "serve",
+        help="benchmark an OpenAI-compatible server (kvloop, vLLM, llama.cpp, ...)",
+        description="Send streaming requests to an OpenAI-compatible server and report TTFT, "
+        "TPOT, ITL, e2e latency, throughput and goodput (like vLLM's benchmark_serving).",
+    )
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None,
+                   help="served model name (default: the first of GET /v1/models)")
+    s.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--no-extra-fields", action="store_true",
+                   help="send only OpenAI's fields (no ignore_eos) to servers rejecting others")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    w = p.add_argument_group("load")
+    w.add_argument("--num-prompts", type=int, default=100)
+    w.add_argument("--request-rate", type=float, default=math.inf,
+                   help="req/s, Poisson or gamma arrivals (default inf: all at once)")
+    w.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps; 1 = Poisson, lower = burstier")
+    w.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (closed loop with the default rate)")
+    w.add_argument("--trace", choices=TRACES, default=None,
+                   help="replay a shipped trace's arrivals and lengths")
+    w.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply the trace's arrival rate")
+    w.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("prompts")
+    d.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random lengths, or ShareGPT's prompt/output lengths (shipped)")
+    d.add_argument("--random-input-len", type=int, default=128)
+    d.add_argument("--random-output-len", type=int, default=64)
+    d.add_argument("--random-range-ratio", type=float, default=0.0)
+    d.add_argument("--max-input-len", type=int, default=None, help="clip prompt lengths")
+    d.add_argument("--max-output-len", type=int, default=None, help="clip output lengths")
+    d.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos so that every request yields exactly its output length")
+    d.add_argument("--min-tokens", action="store_true",
+                   help="send min_tokens = output length (vLLM, llama-cpp-python), for servers "
+                   "that ignore ignore_eos")
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder (or model) to build prompts with")
+    d.add_argument("--tokenizer-model", default="default",
+                   help="model whose tokenizer builds prompts when --tokenizer is not given")
+    o = p.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50")
+    o.add_argument("--json", default=None, metavar="PATH",
+                   help="write the report with one row per request")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` (ms) -> ``{"ttft": 0.5, "tpot": 0.05}`` (seconds)."""
+    out: dict[str, float] = {}
+    for item in items or ():
+        name, sep, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not sep or not ms >= 0 or name not in ("ttft", "tpot"):
+            raise ValueError(f"bad --goodput {item!r}: expected ttft:MS or tpot:MS")
+        out[name] = ms / 1000.0
+    return out
+
+
+def config_from(args: argparse.Namespace) -> ServeBenchConfig:
+    return ServeBenchConfig(
+        base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
+        num_prompts=args.num_prompts, request_rate=args.request_rate,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency, trace=args.trace,
+        rate_scale=args.rate_scale, dataset=args.dataset,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len, seed=args.seed, ignore_eos=args.ignore_eos,
+        extra_fields=not args.no_extra_fields, min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        tokenizer=args.tokenizer, tokenizer_model=args.tokenizer_model,
+        goodput=parse_goodput(args.goodput), timeout=args.timeout,
+        progress=not args.no_progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise RuntimeError("kvloop bench serve needs httpx: pip install 'kvloop[bench]'") from None
+    from kvloop.bench.serve import format_report, run_bench
+
+    cfg = config_from(args)
+    cfg.check()
+    report = run_bench(cfg)
+    print(format_report(report))
+    if args.json:
+        path = Path(args.json)
+        path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0 if report["summary"]["completed"] else 1
