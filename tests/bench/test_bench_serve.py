@@ -136,3 +136,16 @@ def test_error_message_shapes() -> None:
     assert error_message(400, b'{"error": {"message": "bad"}}') == "HTTP 400: bad"
     assert error_message(422, b'{"detail": "nope"}') == "HTTP 422: nope"
     assert error_message(500, b"boom") == "HTTP 500: boom"
+
+
+def test_payload_fields() -> None:
+    from kvloop.bench.serve import _payload
+
+    cfg = ServeBenchConfig(ignore_eos=True)
+    body = _payload(cfg, "m", "hi", 7)
+    assert body["prompt"] == "hi" and body["max_tokens"] == 7 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    plain = _payload(ServeBenchConfig(ignore_eos=True, extra_fields=False, min_tokens=True,
+                                      endpoint="chat"), "m", "hi", 7)
+    assert "ignore_eos" not in plain and plain["min_tokens"] == 7
+    assert plain["messages"] == [{"role": "user", "content": "hi"}]

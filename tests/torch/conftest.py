@@ -1,14 +1,22 @@
-"""Tiny random-weight transformers models saved to disk, and greedy references for them."""
+"""Tiny random-weight transformers models saved to disk, greedy references for them, and
+a Scheduler + TorchModelRunner loop to compare against."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core import Request, Scheduler
+from kvloop.sampling_params import SamplingParams
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from kvloop.executor.torch import TorchModelRunner  # noqa: E402
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
@@ -107,3 +115,83 @@ def tiny(request: pytest.FixtureRequest) -> TinyModel:
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+def make_runner(
+    model: TinyModel,
+    device: str = "cpu",
+    *,
+    num_gpu_blocks: int | None = 64,
+    num_cpu_blocks: int = 0,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    dtype: str = "float32",
+    **kwargs: object,
+) -> TorchModelRunner:
+    return TorchModelRunner(
+        str(model.path),
+        dtype=dtype,
+        device=device,
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def drive(
+    runner: TorchModelRunner,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    arrive_at: list[int] | None = None,
+    logprobs: int | None = None,
+    max_model_len: int = 256,
+    **sched: object,
+) -> tuple[list[Request], Scheduler]:
+    """Run the prompts through a Scheduler + runner loop (request i joins at step
+    ``arrive_at[i]``); invariants checked every step."""
+    sched.setdefault("max_num_batched_tokens", runner.max_num_batched_tokens)
+    sched.setdefault("max_num_seqs", runner.max_num_seqs)
+    s = Scheduler(
+        SchedulerConfig(max_model_len=max_model_len, **sched),  # type: ignore[arg-type]
+        CacheConfig(
+            block_size=runner.block_size,
+            num_gpu_blocks=runner.num_gpu_blocks,
+            num_cpu_blocks=runner.num_cpu_blocks,
+        ),
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+    )
+    reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    arrive_at = arrive_at or [0] * len(reqs)
+    step = 0
+    while step <= max(arrive_at) or s.has_unfinished_requests():
+        for r, at in zip(reqs, arrive_at, strict=True):
+            if at == step:
+                s.add_request(r)
+        out = s.schedule()
+        result = runner.execute(out)
+        assert result.step_time_s > 0
+        s.update_from_output(out, result)
+        s.check_invariants()
+        step += 1
+        assert step < 2000, "did not drain"
+    assert s.kv.num_used_blocks == 0 and not s.kv.swapped_blocks
+    assert all(r.error is None for r in reqs), [r.error for r in reqs]
+    return reqs, s
+
+
+def prompts_of(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_matches(model: TinyModel, reqs: list[Request], max_tokens: int) -> None:
+    for r in reqs:
+        expected = model.greedy(list(r.prompt_token_ids), max_tokens)
+        assert r.output_token_ids == expected, r.request_id
