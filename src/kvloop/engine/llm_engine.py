@@ -83,15 +83,11 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
             seed=args.seed,
         )
         mc = runner.model_config
-        max_len = args.max_model_len or mc.max_position_embeddings
-        if max_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
-                f"({mc.max_position_embeddings})"
-            )
+        max_len = runner.max_model_len  # the model's limit (sliding window included)
         scheduler = Scheduler(
             args.scheduler_config(max_len),
             args.cache_config(runner.num_gpu_blocks, runner.num_cpu_blocks),
