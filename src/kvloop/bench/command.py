@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        raise RuntimeError("kvloop bench serve needs httpx: pip install 'kvloop[bench]'") from None
+        raise RuntimeError("kvloop bench serve needs httpx: pip install httpx") from None
     from kvloop.bench.serve import format_report, run_bench
 
     cfg = config_from(args)
