@@ -4,6 +4,7 @@ transformers ``generate`` across batching, chunking, prefix hits, preemption and
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvloop.executor.torch import KVCache  # noqa: E402
 from kvloop.executor.torch import attention as attn_mod  # noqa: E402
+from kvloop.executor.torch.kv_cache import zeros_on_demand  # noqa: E402
 from kvloop.executor.torch.models.llama import rope_inv_freq  # noqa: E402
 
 
@@ -304,6 +306,36 @@ def test_kv_cache_swap_and_copy(device: str) -> None:
     assert torch.equal(after[:, :, 2], before[:, :, 4])
     cache.copy([(5, 0)])
     assert torch.equal(cache.gpu[:, :, 0].cpu(), before[:, :, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_pool_is_zero_and_takes_memory_on_demand(dtype: torch.dtype) -> None:
+    cache = KVCache(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        block_size=3,
+        num_gpu_blocks=6,
+        num_cpu_blocks=4,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    assert cache.gpu.dtype == dtype and cache.gpu.shape == (2, 2, 6, 3, 2, 4)
+    assert not cache.gpu.any()
+    assert all(layer.shape == (2, 6, 3, 2, 4) for layer in cache.layers)
+    statm = Path("/proc/self/statm")
+    if not statm.is_file():
+        pytest.skip("no /proc/self/statm to read resident memory from")
+
+    def resident() -> int:
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    big = zeros_on_demand((256, 1 << 20), torch.float32)  # 1 GiB
+    grew = resident() - before
+    assert grew < 64 << 20, f"1 GiB zero pool made {grew >> 20} MiB resident up front"
+    big[7, 123] = 1.0
+    assert big[7].sum().item() == 1.0 and not big[8].any()
 
 
 # -- config parsing ------------------------------------------------------------------------------

@@ -2,6 +2,11 @@
 
 Both pools are one tensor shaped ``[num_layers, 2 (K, V), num_blocks, block_size,
 num_kv_heads, head_dim]``, so one indexed copy moves a block of every layer at once.
+
+On CPU the pools take memory as they are used, not when they are made: the device pool
+comes from ``calloc`` (the kernel hands out zero pages on first touch) and the host pool
+is left unwritten until a block is swapped out, so a 2 GiB cache with 4 GiB of swap space
+costs a short prompt a few MB of resident memory, not 6 GiB.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -60,10 +66,25 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float, reserve:
     return budget
 
 
+def zeros_on_demand(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """A zero-filled CPU tensor whose pages the OS supplies (already zero) on first touch.
+
+    ``torch.zeros`` writes every byte up front; numpy's ``zeros`` is ``calloc``, which for
+    large sizes maps fresh zero pages and writes nothing."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.from_numpy(np.zeros(count * elem, dtype=np.uint8))
+    return raw.view(dtype).view(tuple(shape))
+
+
 class KVCache:
     """Device and host KV pools of one model, and the copies the scheduler orders.
 
-    NOTE: both pools are zero-initialised; attention relies on masked slots being finite.
+    NOTE: the device pool is zero-initialised: attention relies on masked slots being
+    finite. The host pool is not: a host block is only ever read after a swap-out wrote it
+    whole.
     """
 
     def __init__(
@@ -83,12 +104,15 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
         shape = (num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            self.gpu = zeros_on_demand(shape, dtype)
+        else:
+            self.gpu = torch.zeros(shape, dtype=dtype, device=device)
         self.layers: list[Tensor] = list(self.gpu.unbind(0))
         """Per-layer views ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
         self._pinned = device.type == "cuda"
         host_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        self.cpu = torch.zeros(host_shape, dtype=dtype, pin_memory=self._pinned)
+        self.cpu = torch.empty(host_shape, dtype=dtype, pin_memory=self._pinned)
 
     def _index(self, ids: Sequence[int], device: torch.device) -> Tensor:
         return torch.tensor(ids, dtype=torch.long, device=device)
