@@ -72,15 +72,10 @@ def chat_logprobs(decode: Decode, num_top: int, token_ids: list[int],
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
                     logprobs: dict[str, Any] | None, num_prompt: int, num_completion: int
                     ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish_reason, "stop_reason": None}],
-        "usage": usage(num_prompt, num_completion),
-    }
+    """A whole completion: the final chunk's fields plus usage."""
+    body = completion_chunk(rid, created, model, text, finish_reason, logprobs)
+    body["usage"] = usage(num_prompt, num_completion)
+    return body
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str,

@@ -127,8 +127,9 @@ class LlamaForCausalLM:
         """Build the model from transformers-named tensors: ``get(name)`` returns one on the
         target device and dtype, ``has(name)`` says whether the checkpoint holds it."""
 
-        def opt(name: str, flag: bool) -> Tensor | None:
-            return get(name) if flag else None
+        def bias(names: list[str], flag: bool) -> Tensor | None:
+            """The fused bias of the weights ``names`` when the config has one."""
+            return cat([n.replace("weight", "bias") for n in names]) if flag else None
 
         def cat(names: list[str]) -> Tensor:
             return torch.cat([get(n) for n in names])
@@ -146,18 +147,14 @@ class LlamaForCausalLM:
                 DecoderLayer(
                     input_norm=get(p + "input_layernorm.weight"),
                     qkv_weight=mat(qkv),
-                    qkv_bias=cat([n.replace("weight", "bias") for n in qkv])
-                    if config.qkv_bias
-                    else None,
+                    qkv_bias=bias(qkv, config.qkv_bias),
                     o_weight=mat([att + "o_proj.weight"]),
-                    o_bias=opt(att + "o_proj.bias", config.o_bias),
+                    o_bias=bias([att + "o_proj.weight"], config.o_bias),
                     post_norm=get(p + "post_attention_layernorm.weight"),
                     gate_up_weight=mat(gate_up),
-                    gate_up_bias=cat([n.replace("weight", "bias") for n in gate_up])
-                    if config.mlp_bias
-                    else None,
+                    gate_up_bias=bias(gate_up, config.mlp_bias),
                     down_weight=mat([mlp + "down_proj.weight"]),
-                    down_bias=opt(mlp + "down_proj.bias", config.mlp_bias),
+                    down_bias=bias([mlp + "down_proj.weight"], config.mlp_bias),
                 )
             )
         embed = get("model.embed_tokens.weight")
