@@ -14,12 +14,14 @@ from kvloop.bench import command as bench_command
 from kvloop.engine import command as generate_command
 from kvloop.server import command as serve_command
 from kvloop.sim import command as simulate_command
+from kvloop.sim import profile_command
 from kvloop.viz import command as trace_command
 
 Register = Callable[[argparse._SubParsersAction], None]
 COMMANDS: list[Register] = [
     bench_command.register,
     generate_command.register,
+    profile_command.register,
     serve_command.register,
     simulate_command.register,
     trace_command.register,

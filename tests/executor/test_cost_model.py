@@ -1,259 +1,171 @@
-"""Roofline cost model and model/hardware specs: formulas, presets, sizing, ballparks."""
+"""Cost model v2: every term against a hand computation, monotonicity, and ballparks."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvloop.executor.simulated.cost_model import CostModel, Efficiency
-from kvloop.executor.simulated.specs import (
-    HARDWARE_PRESETS,
-    MODEL_PRESETS,
-    GiB,
+from kvloop.executor.simulated import (
+    AttentionCurve,
+    CostModel,
+    DeviceEfficiency,
+    EngineOverhead,
+    GemmCurve,
     HardwareSpec,
+    MemoryOp,
     ModelSpec,
+    engine_overhead,
     get_hardware_spec,
     get_model_spec,
-    num_cpu_blocks,
-    num_gpu_blocks,
 )
+from kvloop.executor.simulated.cost_model import TERMS
+from kvloop.executor.simulated.network import allreduce_model
+from kvloop.executor.simulated.tables import StepTables
 
-TINY = ModelSpec(
-    "tiny",
-    num_layers=2,
-    hidden_size=8,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=4,
-    intermediate_size=16,
-    vocab_size=10,
+TINY = ModelSpec("tiny", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1,
+                 head_dim=4, intermediate_size=16, vocab_size=10)
+P, B, HOST = 1e6, 1e4, 1e3
+EFF = DeviceEfficiency(
+    gemm=GemmCurve(compute_fraction=0.5, memory_fraction=0.8, sharpness=2.0, launch_s=1e-3),
+    norm=MemoryOp(0.5, 1e-5),
+    rope=MemoryOp(0.4, 2e-5),
+    activation=MemoryOp(0.6, 3e-5),
+    residual=MemoryOp(0.7, 4e-5),
+    embedding=MemoryOp(0.9, 5e-5),
+    attention=AttentionCurve(prefill_fraction=0.5, prefill_half_context=4.0,
+                             decode_fraction=0.8, decode_half_context=2.0,
+                             launch_s=1e-4, chunk_s=2e-4),
+    host_link_fraction=0.5,
 )
-TOY_HW = HardwareSpec(
-    "toy",
-    peak_flops=1e6,
-    mem_bandwidth=1e4,
-    mem_bytes=10**6,
-    host_link_bandwidth=1e3,
-    allreduce_bandwidth=1e3,
-    allreduce_latency_s=1e-3,
-)
-IDEAL = Efficiency(
-    mfu=1.0,
-    mbu=1.0,
-    attn_mfu=1.0,
-    attn_mbu=1.0,
-    step_overhead_s=0.0,
-    seq_overhead_s=0.0,
-    host_link_fraction=1.0,
-)
-SMOLLM2_CONFIG = {  # HuggingFaceTB/SmolLM2-135M config.json (the keys the spec reads)
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "intermediate_size": 1536,
-    "vocab_size": 49152,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": True,
-}
+TOY_HW = HardwareSpec("toy", P, B, 10**6, HOST, "nvlink4", EFF)
+OVERHEAD = EngineOverhead(step_s=0.01, seq_s=0.001, token_s=1e-4)
 
 
-def llama8b_h100() -> CostModel:
-    return CostModel(get_model_spec("llama-3.1-8b"), get_hardware_spec("h100"))
+def soft(flops: float, nbytes: float) -> float:
+    """The GEMM curve by hand: launch + sqrt((F / (P·0.5))² + (W / (B·0.8))²)."""
+    return 1e-3 + math.hypot(flops / (P * 0.5), nbytes / (B * 0.8))
 
 
-# --- specs -----------------------------------------------------------------------------
+def gemm(m: int, n: int, k: int) -> float:
+    return soft(2 * m * n * k, 2 * (n * k + m * k + m * n))
 
 
-def test_tiny_spec_counts_by_hand() -> None:
-    # per layer: q,o 2*8*(2*4)=128; k,v 2*8*(1*4)=64; mlp 3*8*16=384 -> 576; two layers 1152
-    assert TINY.linear_params() == 1152
-    # + embedding and lm_head 10*8 each + norms (2*2+1)*8
-    assert TINY.num_params == 1152 + 160 + 40
-    assert TINY.weight_bytes() == 2 * 1352
-    assert TINY.streamed_weight_bytes() == 2 * (1352 - 80)  # input embedding only gathered
-    assert TINY.kv_bytes_per_token() == 2 * 2 * 1 * 4 * 2
-    assert TINY.kv_block_bytes(16) == 16 * 32
-    # tp=2: heads and MLP columns halve, the single KV head is replicated, vocab split
-    assert TINY.kv_bytes_per_token(2) == TINY.kv_bytes_per_token(1)
-    assert TINY.weight_bytes(2) == 2 * (2 * (64 + 64 + 192) + 2 * 5 * 8 + 40)
+def test_each_term_by_hand() -> None:
+    cm = CostModel(TINY, TOY_HW, overhead=OVERHEAD)
+    decodes, ctx, chunks = 3, 3 * 7, [(5, 2), (3, 0)]
+    t, s = 3 + 5 + 3, 5
+    parts = cm.breakdown(decodes, ctx, chunks, swap_blocks=2, copy_blocks=1, block_size=4)
+    # Projections per layer: qkv (2+2)*4=16 x 8, o 8 x 8, gate_up 32 x 8, down 8 x 16.
+    assert parts["gemm"] == pytest.approx(
+        2 * (gemm(t, 16, 8) + gemm(t, 8, 8) + gemm(t, 32, 8) + gemm(t, 8, 16)))
+    assert parts["lm_head"] == pytest.approx(gemm(s, 10, 8))
+    assert parts["norm"] == pytest.approx(5 * (1e-5 + 2 * t * 8 * 2 / (B * 0.5)))
+    assert parts["rope"] == pytest.approx(2 * (2e-5 + 2 * t * (2 + 1) * 4 * 2 / (B * 0.4)))
+    assert parts["activation"] == pytest.approx(2 * (3e-5 + 3 * t * 16 * 2 / (B * 0.6)))
+    assert parts["residual"] == pytest.approx(4 * (4e-5 + 3 * t * 8 * 2 / (B * 0.7)))
+    assert parts["embedding"] == pytest.approx(5e-5 + 2 * t * 8 * 2 / (B * 0.9))
+    assert parts["sampling"] == pytest.approx(3e-5 + 3 * s * 10 * 4 / (B * 0.6))
+    kv = 2 * 1 * 4 * 2  # K and V of one token in one layer
+    assert parts["attention_decode"] == pytest.approx((ctx + 3 * 2.0) * 2 * kv / (B * 0.8))
 
+    def chunk(c: int, p: int) -> float:
+        k = p + c
+        flops = 4 * 2 * 4 * c * (p + (c + 1) / 2)
+        compute = flops / (P * 0.5 * k / (k + 4.0))
+        memory = (k * kv + c * 2 * 4 * 2) / (B * 0.8)
+        return 2 * (max(compute, memory) + 2e-4)
 
-def test_presets_parse_with_known_parameter_counts() -> None:
-    expected = {
-        "llama-3.1-8b": 8.03e9,
-        "llama-3.1-70b": 70.55e9,
-        "qwen2.5-7b": 7.62e9,
-        "smollm2-135m": 134.5e6,
-    }
-    for name, params in expected.items():
-        spec = get_model_spec(name)
-        assert spec is MODEL_PRESETS[name]
-        assert spec.num_params == pytest.approx(params, rel=0.005)
-    assert get_model_spec("llama-3.1-8b").kv_bytes_per_token() == 128 * 1024
-    for name in ("a100-80gb", "h100", "h200", "l4", "rtx-4090"):
-        assert get_hardware_spec(name) is HARDWARE_PRESETS[name]
-
-
-def test_kv_heads_replicate_beyond_their_count() -> None:
-    m = get_model_spec("llama-3.1-70b")  # 8 KV heads
-    assert m.kv_heads_per_rank(16) == 1
-    assert m.kv_bytes_per_token(16) == m.kv_bytes_per_token(8) == 2 * 80 * 128 * 2
-
-
-@pytest.mark.parametrize("tp", [0, -2, 3, 1.0, True])
-def test_bad_tensor_parallel_size(tp: object) -> None:
-    with pytest.raises(ValueError, match="tensor parallel size"):
-        get_model_spec("llama-3.1-8b").check_tp(tp)  # type: ignore[arg-type]
-
-
-def test_from_hf_config_file_and_folder(tmp_path) -> None:
-    folder = tmp_path / "SmolLM2-135M"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    for arg in (str(folder), str(folder / "config.json")):
-        spec = get_model_spec(arg)
-        assert spec.name == "SmolLM2-135M"
-        assert spec.num_params == MODEL_PRESETS["smollm2-135m"].num_params
-        assert spec.head_dim == 64 and spec.tie_word_embeddings
-
-
-def test_from_hf_config_defaults_and_dtype() -> None:
-    cfg = {k: v for k, v in SMOLLM2_CONFIG.items() if k != "num_key_value_heads"}
-    spec = ModelSpec.from_hf_config({**cfg, "torch_dtype": "float32"}, "m")
-    assert spec.num_kv_heads == 9 and spec.head_dim == 576 // 9 and spec.dtype_bytes == 4
-    assert ModelSpec.from_hf_config({**cfg, "torch_dtype": None}, "m").dtype_bytes == 2
-
-
-def test_from_hf_config_errors_name_key_and_file(tmp_path) -> None:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({k: v for k, v in SMOLLM2_CONFIG.items() if k != "vocab_size"}))
-    with pytest.raises(ValueError, match="vocab_size") as err:
-        get_model_spec(str(path))
-    assert str(path) in str(err.value)
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match=r"config\.json"):
-        get_model_spec(str(tmp_path))
-
-
-def test_unknown_names_list_the_choices() -> None:
-    with pytest.raises(ValueError) as err:
-        get_model_spec("gpt-17")
-    assert str(err.value) == (
-        "unknown model 'gpt-17': choose a preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
-        "smollm2-135m) or give a path to a Hugging Face config.json"
-    )
-    with pytest.raises(ValueError, match="a100-80gb, h100, h200, l4, rtx-4090"):
-        get_hardware_spec("tpu-v9")
-
-
-def test_num_gpu_blocks_llama8b_h100() -> None:
-    m, hw = get_model_spec("llama-3.1-8b"), get_hardware_spec("h100")
-    assert 15.5e9 < m.weight_bytes() < 16.5e9
-    blocks = num_gpu_blocks(m, hw, block_size=16)
-    # 0.9 * 79.6 GiB - 15 GiB weights - ~2 GiB reserve = ~54.6 GiB of 2 MiB blocks
-    assert 25_000 < blocks < 30_000
-    assert num_gpu_blocks(m, hw, block_size=16, activation_reserve_bytes=0) > blocks
-    assert num_gpu_blocks(m, hw, block_size=16, tp=2) > 2 * blocks
-
-
-def test_num_gpu_blocks_errors() -> None:
-    m70, h100 = get_model_spec("llama-3.1-70b"), get_hardware_spec("h100")
-    with pytest.raises(ValueError, match=r"141 GB per GPU at tp=1.*tensor-parallel-size"):
-        num_gpu_blocks(m70, h100, block_size=16)
-    with pytest.raises(ValueError, match="no room for a KV cache"):
-        num_gpu_blocks(
-            get_model_spec("llama-3.1-8b"),
-            get_hardware_spec("l4"),
-            block_size=16,
-            gpu_memory_utilization=0.7,
-        )
-    with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        num_gpu_blocks(m70, h100, block_size=16, tp=8, gpu_memory_utilization=1.5)
-
-
-def test_num_cpu_blocks() -> None:
-    m = get_model_spec("llama-3.1-8b")  # 2 MiB per 16-token block
-    assert num_cpu_blocks(m, block_size=16, swap_space_gib=4) == 4 * GiB // (2 << 20)
-    assert num_cpu_blocks(m, block_size=16, swap_space_gib=0) == 0
-    with pytest.raises(ValueError):
-        num_cpu_blocks(m, block_size=16, swap_space_gib=-1)
-
-
-# --- cost model formulas -----------------------------------------------------------------
-
-
-def test_step_time_matches_hand_formula() -> None:
-    cm = CostModel(TINY, TOY_HW, efficiency=IDEAL)
-    tokens, seqs, pairs, reads = 5, 2, 12.0, 9
-    flops = 2 * 1152 * tokens + 2 * 80 * seqs
-    gemm = max(flops / 1e6, TINY.streamed_weight_bytes() / 1e4)
-    attn = max(4 * 2 * 2 * 4 * pairs / 1e6, (reads + tokens) * 32 / 1e4)
-    swap, copy = 3 * 16 * 32 / 1e3, 2 * 1 * 16 * 32 / 1e4
-    got = cm.step_time(tokens, seqs, pairs, reads, swap_blocks=3, copy_blocks=1)
-    assert got == pytest.approx(gemm + attn + swap + copy)
-    parts = cm.breakdown(tokens, seqs, pairs, reads, swap_blocks=3, copy_blocks=1)
-    assert parts["total"] == pytest.approx(got)
+    assert parts["attention_prefill"] == pytest.approx(chunk(5, 2) + chunk(3, 0))
+    assert parts["attention_launch"] == pytest.approx(2 * 1e-4)
+    kv_all = 2 * kv
+    assert parts["swap"] == pytest.approx(4 * 2 * kv_all / (HOST * 0.5))
+    assert parts["copy"] == pytest.approx(4 * 1 * 2 * kv_all / (B * 0.8))
+    assert parts["overhead"] == pytest.approx(0.01 + 0.001 * s + 1e-4 * t)
     assert parts["allreduce"] == 0.0
+    assert parts["total"] == pytest.approx(sum(parts[k] for k in TERMS))
+    got = cm.step_time(decodes, ctx, chunks, swap_blocks=2, copy_blocks=1, block_size=4)
+    assert got == pytest.approx(parts["total"])
 
 
-def test_allreduce_and_overheads() -> None:
-    eff = Efficiency(
-        mfu=1.0,
-        mbu=1.0,
-        attn_mfu=1.0,
-        attn_mbu=1.0,
-        step_overhead_s=0.01,
-        seq_overhead_s=0.001,
-        host_link_fraction=1.0,
-    )
-    parts = CostModel(TINY, TOY_HW, tp=2, efficiency=eff).breakdown(4, 3, 4.0, 4)
-    ring = 2 * 2 * (2 * 1 / 2 * 4 * 8 * 2 / 1e3 + 1e-3)  # 2 per layer, 2 layers
-    assert parts["allreduce"] == pytest.approx(ring)
-    assert parts["overhead"] == pytest.approx(0.01 + 3 * 0.001)
+def test_allreduce_from_the_network_table() -> None:
+    cm = CostModel(TINY, TOY_HW, tp=2)
+    table = allreduce_model("nvlink4", 2)
+    t = 6
+    assert cm.breakdown(t, t)["allreduce"] == pytest.approx(2 * 2 * table.time(t * 8 * 2))
+    # tp=2 splits the heads and the MLP: the qkv GEMM is (1 + 2·1)·4 = 12 wide per rank.
+    per_rank = cm.breakdown(t, t)["gemm"]
+    assert per_rank == pytest.approx(
+        2 * (gemm(t, 12, 8) + gemm(t, 8, 4) + gemm(t, 16, 8) + gemm(t, 8, 8)))
 
 
-def test_empty_step_costs_nothing_but_its_moves() -> None:
-    cm = llama8b_h100()
-    assert cm.step_time(0, 0, 0.0, 0) == 0.0
-    assert cm.breakdown(0, 0, 0.0, 0)["total"] == 0.0
-    swap_only = cm.step_time(0, 0, 0.0, 0, swap_blocks=10)
+def test_measured_tables_replace_per_token_and_per_request_terms() -> None:
+    tables = StepTables(tokens=(1, 4, 16), token_time_s=(1.0, 2.0, 5.0),
+                        seqs=(1, 8), seq_time_s=(0.1, 0.8))
+    cm = CostModel(TINY, TOY_HW, tables=tables)
+    parts = cm.breakdown(2, 8, [(8, 0)])  # T = 10, S = 3
+    assert parts["gemm"] == pytest.approx(2.0 + 3.0 * 6 / 12)
+    assert parts["lm_head"] == pytest.approx(0.1 + 0.7 * 2 / 7)
+    assert parts["norm"] == parts["rope"] == parts["sampling"] == 0.0
+    assert tables.token_time(32) == pytest.approx(5.0 + 3.0 / 12 * 16)  # extrapolated
+    assert tables.token_time(4) == 2.0
+
+
+def test_empty_step_costs_only_its_moves() -> None:
+    cm = CostModel(get_model_spec("llama-3.1-8b"), get_hardware_spec("h100"))
+    assert cm.step_time(0, 0) == 0.0
+    assert cm.breakdown(0, 0)["total"] == 0.0
+    swap_only = cm.step_time(0, 0, swap_blocks=10)
     assert swap_only > 0.0
-    assert cm.breakdown(0, 0, 0.0, 0, swap_blocks=10)["total"] == pytest.approx(swap_only)
+    assert cm.breakdown(0, 0, swap_blocks=10)["total"] == pytest.approx(swap_only)
 
 
-@settings(max_examples=200, deadline=None)
+def llama8b(gpu: str = "h100", tp: int = 1, overhead: str = "vllm") -> CostModel:
+    return CostModel(get_model_spec("llama-3.1-8b"), get_hardware_spec(gpu), tp=tp,
+                     overhead=engine_overhead(overhead))
+
+
+@settings(max_examples=150, deadline=None)
 @given(
-    tokens=st.integers(1, 8192),
-    seqs=st.integers(1, 256),
-    pairs=st.floats(0, 1e8),
-    reads=st.integers(0, 1_000_000),
+    decodes=st.integers(0, 256),
+    ctx=st.integers(1, 8192),
+    chunks=st.lists(st.tuples(st.integers(2, 4096), st.integers(0, 8192)), max_size=3),
     swaps=st.integers(0, 64),
-    which=st.integers(0, 4),
-    extra=st.integers(1, 4096),
+    which=st.integers(0, 3),
+    extra=st.integers(1, 2048),
 )
-def test_more_work_is_never_faster(tokens, seqs, pairs, reads, swaps, which, extra) -> None:
-    cm = llama8b_h100()
-    args = [tokens, seqs, pairs, reads, swaps]
-    bigger = list(args)
-    bigger[which] += extra
-    base = cm.step_time(*args[:4], swap_blocks=args[4])
-    assert cm.step_time(*bigger[:4], swap_blocks=bigger[4]) >= base
-    assert cm.breakdown(*args[:4], swap_blocks=args[4])["total"] == pytest.approx(base)
+def test_more_work_is_never_faster(decodes, ctx, chunks, swaps, which, extra) -> None:
+    cm = llama8b()
+
+    def cost(d: int, c: int, ch: list, sw: int) -> float:
+        return cm.step_time(d, d * c, ch, swap_blocks=sw)
+
+    base = cost(decodes, ctx, chunks, swaps)
+    bigger = [decodes, ctx, list(chunks), swaps]
+    if which == 0:
+        bigger[0] += extra
+    elif which == 1:
+        bigger[1] += extra
+    elif which == 2:
+        bigger[2].append((extra + 1, 0))
+    else:
+        bigger[3] += extra
+    assert cost(*bigger) >= base
+    assert cm.breakdown(decodes, decodes * ctx, chunks, swap_blocks=swaps)["total"] == (
+        pytest.approx(base))
 
 
-def test_decode_and_prefill_grow_with_size() -> None:
-    cm = llama8b_h100()
-    for b in (1, 8, 64, 256):
-        assert cm.decode_step_time(b, 4096) > cm.decode_step_time(b, 128)
-    for b in (1, 8, 64):
-        assert cm.decode_step_time(2 * b, 1024) > cm.decode_step_time(b, 1024)
-    prefills = [cm.prefill_time(n) for n in (16, 512, 2048, 8192, 32768)]
-    assert prefills == sorted(prefills)
+def test_chunks_grow_with_size_and_prefix() -> None:
+    cm = llama8b()
+    for p in (0, 1024, 8192):
+        sizes = [cm.step_time(0, 0, [(c, p)]) for c in (16, 128, 512, 2048)]
+        assert sizes == sorted(sizes)
+    assert cm.step_time(0, 0, [(512, 4096)]) > cm.step_time(0, 0, [(512, 0)])
+    # Chunking has a cost: 4 × 512 tokens cost more than one 2048-token prefill.
+    chunked = sum(cm.step_time(0, 0, [(512, 512 * i)]) for i in range(4))
+    assert chunked > cm.prefill_time(2048)
 
 
 def test_tensor_parallel_speeds_up_70b_and_adds_allreduce() -> None:
@@ -262,42 +174,51 @@ def test_tensor_parallel_speeds_up_70b_and_adds_allreduce() -> None:
     assert tp4.decode_step_time(64, 1024) < tp2.decode_step_time(64, 1024)
     assert tp2.decode_step_time(64, 1024) < tp1.decode_step_time(64, 1024)
     assert tp2.prefill_time(2048) < tp1.prefill_time(2048)
-    assert tp1.breakdown(64, 64, 64 * 1025.0, 64 * 1025)["allreduce"] == 0.0
-    assert tp2.breakdown(64, 64, 64 * 1025.0, 64 * 1025)["allreduce"] > 0.0
+    assert tp1.breakdown(64, 64 * 1025)["allreduce"] == 0.0
+    assert tp2.breakdown(64, 64 * 1025)["allreduce"] > 0.0
 
 
-@pytest.mark.parametrize("field", ["mfu", "mbu", "attn_mfu", "attn_mbu", "host_link_fraction"])
-def test_efficiency_fractions_validated(field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        Efficiency(**{field: 0.0})
-    with pytest.raises(ValueError, match="step_overhead_s"):
-        Efficiency(step_overhead_s=-1.0)
+def test_engine_overhead_presets() -> None:
+    assert engine_overhead("none").time(100, 1000) == 0.0
+    assert engine_overhead("0.002").time(5, 9) == 0.002
+    vllm = engine_overhead("vllm")
+    assert 0.0 < vllm.step_s < 2e-3 and vllm.seq_s == 0.0
+    assert engine_overhead("kvloop").seq_s > 0.0
+    with pytest.raises(ValueError, match="engine overhead must be"):
+        engine_overhead("sglang")
+    with pytest.raises(ValueError, match="step_s"):
+        EngineOverhead(step_s=-1.0)
 
 
-# --- realistic ballparks (Llama-3.1-8B bf16, one H100 SXM, vLLM-class engine) -------------
+# --- ballparks against public measurements (not fitted to them, except where noted) --------
 
 
-def test_decode_batch1_ballpark() -> None:
-    # InferenceBench concurrency sweep (yobitelcomm.github.io/bench/recipes/concurrency-sweep):
-    # vLLM 0.21, H100, Llama-3.1-8B-Instruct fp16, concurrency 1: TPOT p50 6.48 ms.
-    assert 6e-3 <= llama8b_h100().decode_step_time(1, 1024) <= 8e-3
+def test_decode_batch1_h100_is_the_measurement_the_vllm_overhead_comes_from() -> None:
+    # InferenceBench concurrency sweep: vLLM 0.21, H100, Llama-3.1-8B, concurrency 1:
+    # TPOT p50 6.48 ms. The vllm preset is that minus the fitted kernels, by construction.
+    assert llama8b().decode_step_time(1, 1024) == pytest.approx(6.48e-3, rel=0.01)
 
 
-def test_decode_batch64_ballpark() -> None:
-    # Roofline: 15 GB weights + 64 x 1k x 128 KiB = 8.6 GB of KV per step at ~75% of
-    # 3.35 TB/s is ~9-10 ms plus overhead; the lead's target band is 10-15 ms.
-    assert 10e-3 <= llama8b_h100().decode_step_time(64, 1024) <= 15e-3
+def test_decode_batch1_a100_40gb_cross_check() -> None:
+    # ~75 tok/s batch-1 on an A100-40GB (johnmusgrave.com, vLLM 0.23): 13.3 ms, not fitted.
+    a100_40 = HardwareSpec("a100-40gb", 312e12, 1555e9, 40 << 30, 32e9, "nvlink3", "a100")
+    cm = CostModel(get_model_spec("llama-3.1-8b"), a100_40, overhead=engine_overhead("vllm"))
+    assert cm.decode_step_time(1, 1024) == pytest.approx(1 / 75, rel=0.1)
 
 
-def test_prefill_2k_ballpark() -> None:
-    # 2k tokens x 14 GFLOP/token = 29 TFLOP; Megatron-LM reaches 413-430 TFLOP/s per H100
-    # on Llama-3 8B (swiss-ai/Megatron-LM PR #29), so 60-120 ms covers ~25-50% MFU.
-    assert 60e-3 <= llama8b_h100().prefill_time(2048) <= 120e-3
+def test_prefill_2k_h100_ballpark() -> None:
+    # 2k tokens × 14 GFLOP/token = 29 TFLOP; Vidur's H100 GEMMs run at ~0.75 of 989 TF.
+    assert 35e-3 <= llama8b().prefill_time(2048) <= 60e-3
 
 
 def test_70b_tp4_decode_ballpark() -> None:
-    # Roofline: 35 GB of weights per GPU at the ~2.5 TB/s the batch-1 decode measurements
-    # imply (see test_decode_batch1_ballpark) is ~14 ms, before KV reads and 160 all-reduces.
-    cm = CostModel(get_model_spec("llama-3.1-70b"), get_hardware_spec("h100"), tp=4)
-    assert 14e-3 <= cm.decode_step_time(64, 1024) <= 25e-3
-    assert math.isfinite(cm.prefill_time(8192))
+    # 35 GB of weights per GPU at ~0.9 of 3.35 TB/s is ~12 ms, plus KV reads and 160
+    # NVLink all-reduces of 64 × 8192 × 2 bytes, ~43 µs each in Vidur's NCCL table.
+    cm = llama8b("h100", 1)
+    cm70 = CostModel(get_model_spec("llama-3.1-70b"), get_hardware_spec("h100"), tp=4,
+                     overhead=engine_overhead("vllm"))
+    parts = cm70.breakdown(64, 64 * 1025)
+    assert 12e-3 <= parts["gemm"] <= 17e-3
+    assert parts["allreduce"] == pytest.approx(160 * allreduce_model("nvlink4", 4).time(2 << 20))
+    assert 18e-3 <= parts["total"] <= 30e-3
+    assert math.isfinite(cm70.prefill_time(8192)) and cm.prefill_time(8192) > 0

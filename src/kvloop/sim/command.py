@@ -14,11 +14,14 @@ from kvloop.executor.simulated import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     CostModel,
+    ModelSpec,
+    engine_overhead,
     get_hardware_spec,
     get_model_spec,
     num_cpu_blocks,
     num_gpu_blocks,
 )
+from kvloop.executor.simulated.calibration import Calibration
 from kvloop.sim.driver import simulate
 from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.sim.traces import SHIPPED_TRACES, load_trace
@@ -31,10 +34,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="simulate serving a workload with a cost model",
         description="Run a workload through kvloop's scheduler with a roofline cost model.",
     )
-    p.add_argument("--model", default="llama-3.1-8b",
-                   help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a HF config.json")
-    p.add_argument("--gpu", default="h100", help=f"preset: {', '.join(HARDWARE_PRESETS)}")
+    p.add_argument("--model", default=None,
+                   help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a HF config.json "
+                   "(default: llama-3.1-8b, or the profiled model with --calibration)")
+    p.add_argument("--gpu", default="h100",
+                   help=f"preset ({', '.join(HARDWARE_PRESETS)}) or a JSON hardware spec "
+                   "(default: %(default)s)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--engine-overhead", default=None, metavar="NAME|SECONDS",
+                   help="per-step engine cost: vllm (default with --gpu), kvloop, none, or "
+                   "seconds per step (default with --calibration: the measured one)")
+    p.add_argument("--calibration", default=None, metavar="PATH",
+                   help="a `kvloop profile` file: cost steps on the profiled device instead "
+                   "of a --gpu preset")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None,
                    help=f"shipped trace ({', '.join(SHIPPED_TRACES)}) or a trace file path; "
@@ -139,11 +151,37 @@ def check_fits(workload, sched: SchedulerConfig, cache: CacheConfig) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    model = get_model_spec(args.model)
+def build_cost_model(
+    args: argparse.Namespace, model: ModelSpec, cal: Calibration | None
+) -> tuple[CostModel, str]:
+    """The cost model the flags ask for, and a line saying what it rests on."""
+    tp = args.tensor_parallel_size
+    if cal is not None:
+        overhead = (engine_overhead(args.engine_overhead) if args.engine_overhead
+                    else cal.overhead)
+        cost = cal.cost_model(model, tp, overhead)
+        how = "measured tables" if cost.tables else "the curves fitted to it"
+        return cost, f"calibration {args.calibration} ({cal.device_name}, {how})"
     hw = get_hardware_spec(args.gpu)
+    overhead = engine_overhead(args.engine_overhead or "vllm")
+    cost = CostModel(model, hw, tp=tp, overhead=overhead)
+    return cost, f"efficiency {cost.efficiency.source}; engine overhead {overhead.source}"
+
+
+def run(args: argparse.Namespace) -> int:
+    cal = Calibration.load(args.calibration) if args.calibration is not None else None
+    if args.model is None:
+        model = cal.model if cal is not None else get_model_spec("llama-3.1-8b")
+    else:
+        model = get_model_spec(args.model)
+    cost, basis = build_cost_model(args, model, cal)
+    hw = cost.hw
+    if cal is not None and args.num_gpu_blocks is None:
+        # NOTE: the profiled runner's KV budget in bytes, in blocks of this model.
+        budget = cal.num_gpu_blocks * cal.model.kv_block_bytes(cal.block_size)
+        args.num_gpu_blocks = max(1, budget // model.kv_block_bytes(args.block_size,
+                                                                    args.tensor_parallel_size))
     sched, cache = build_configs(args, model, hw)
-    cost = CostModel(model, hw, tp=args.tensor_parallel_size)
     workload = build_workload(args)
     check_fits(workload, sched, cache)
     sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
@@ -160,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     m = result.metrics
     m["config"] = {
         "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
+        "cost_model": basis, "engine_overhead": vars(cost.overhead),
         "trace": args.trace, "num_requests": len(workload),
         "scheduler": vars(sched) | {"prefill_chunk_cap": sched.prefill_chunk_cap},
         "cache": vars(cache),
@@ -168,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
     print(f"kvloop simulate: {model.name} on {hw.name} × {args.tensor_parallel_size}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
+    print(f"cost model: {basis}")
     print(format_table(m, extra))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,217 +1,258 @@
-"""Roofline step-time model for the simulated executor.
+"""Step-time model for the simulated executor (cost model v2).
 
-One engine step pushes every scheduled token (prefill chunks and decodes, mixed) through the
-model once. With T tokens from S sequences, its predicted time (seconds, per rank; all ranks
-run in lockstep) is the sum of
+One engine step pushes every scheduled token (prefill chunks and decodes, mixed) through
+the model once. With T tokens from S requests (D decodes over contexts k_i, and prefill
+chunks of c tokens after p cached ones), its predicted time in seconds, per rank (all ranks
+run in lockstep), is the sum of these terms:
 
-    gemm      = max(F / (P·mfu), W / (B·mbu))
-                F = 2·N_lin·T + 2·V_r·H·S      projection FLOPs + LM head on each last token
-                W = weight bytes streamed       every weight but an untied input embedding
-    attention = max(4·L·h_r·d·A / (P·attn_mfu), (R + T)·kv / (B·attn_mbu))
-                A = Σ c·(p + (c+1)/2)           query-key pairs under the causal mask
-                R = Σ (p + c)                   KV entries read; T entries written
-    allreduce = 2·L·(2(tp−1)/tp · T·H·b / B_ar + t_ar)          (0 when tp = 1)
-    swap      = n_swap·block / (B_host·host_frac)
-    copy      = 2·n_copy·block / (B·mbu)                         (read + write)
-    overhead  = t_step + S·t_seq
+    gemm        L · Σ_g gemm(T, n_g, k_g)          g ∈ {qkv, o, gate_up, down}
+    lm_head     gemm(S, V_r, H)                    logits of each request's last token
+    norm        (2L + 1) · op(2·T·H·b)             RMSNorm read + write
+    rope        L · op(2·T·(h_r + kv_r)·d·b)
+    activation  L · op(3·T·I_r·b)                  SwiGLU: gate, up in; product out
+    residual    2L · op(3·T·H·b)
+    embedding   op(2·T·H·b)
+    sampling    op(3·S·V·4)                        fp32 logits: softmax, top-k/p, sample
+    attention   L · (prefill chunks + decodes + launch)   see AttentionCurve
+    allreduce   2L · allreduce(T·H·b)              tensor parallel only
+    swap        n_swap · block / (B_host · host_link_fraction)
+    copy        2 · n_copy · block / (B · gemm.memory_fraction)
+    overhead    step_s + seq_s·S + token_s·T       the serving engine (EngineOverhead)
 
-where a request computes a chunk of c new tokens after p cached ones; L layers, H hidden
-size, b dtype bytes, d head_dim; N_lin the per-rank projection weights (q, k, v, o, gate,
-up, down over all layers), V_r the per-rank vocabulary, h_r the per-rank query heads, kv the
-per-rank KV bytes per token, ``block`` the per-rank KV bytes of one block; P peak FLOP/s,
-B memory bandwidth, B_ar all-reduce bus bandwidth, t_ar all-reduce latency, B_host host link
-bandwidth. A step with no tokens costs only its swaps and copies (0 when there are none).
-Not modelled: the vocab-parallel logits gather, sampling kernels, and overlap of swaps with
-compute (vLLM issues them on the compute stream before the forward).
+where ``gemm(m, n, k)`` is the :class:`GemmCurve` at F = 2·m·n·k FLOPs and
+W = (n·k + m·k + m·n)·b bytes, and ``op(bytes)`` a :class:`MemoryOp`. L layers, H hidden
+size, I_r the per-rank MLP width, V the vocabulary (V_r per rank), h_r / kv_r the per-rank
+query / KV heads, d the head dimension, b the weight dtype's bytes. A step with no tokens
+costs only its swaps and copies.
+
+Not modelled: MoE, speculative decoding, quantized weights, overlap of swaps with compute,
+CUDA-graph padding, the vocab-parallel logits gather, pipeline parallelism.
+
+With measured tables (``kvloop profile``, :class:`StepTables`) for the very model, ``gemm``
+is the table's per-token work at T (norms, RoPE, activation, residual and embedding folded
+in, those terms 0) and ``lm_head`` its per-request work at S (sampling folded in).
+
+Every term that depends only on T or S is computed once per distinct value and cached, so a
+step costs a few dictionary lookups plus a short loop over its prefill chunks: the simulator
+calls this hundreds of thousands of times.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Sequence
 
+from kvloop.executor.simulated.efficiency import DeviceEfficiency, EngineOverhead
+from kvloop.executor.simulated.network import AllReduceModel, allreduce_model
 from kvloop.executor.simulated.specs import HardwareSpec, ModelSpec
+from kvloop.executor.simulated.tables import StepTables
 
+Chunk = tuple[int, int]
+"""(c, p): a request computing c > 1 prompt tokens after p cached ones."""
 
-@dataclass(frozen=True)
-class Efficiency:
-    """Achievable fractions of the hardware peaks, and fixed software costs.
-
-    Defaults describe a vLLM-class engine (CUDA graphs, FlashAttention/FlashInfer kernels,
-    async output processing) serving bf16 weights. With them Llama-3.1-8B on one H100
-    decodes at ~6.5 ms per step at batch 1 and prefills 2,048 tokens in ~68 ms.
-    """
-
-    mfu: float = 0.45
-    """Fraction of peak FLOP/s the projection GEMMs reach end to end (norm, RoPE and SwiGLU
-    kernels in between included). Llama-3 8B training in Megatron-LM runs at 413-430
-    TFLOP/s per H100, 42-43% of 989 (swiss-ai/Megatron-LM PR #29, "Llama 3b/8b
-    baseline"); inference prefill runs GEMMs of the same shapes (M = 2k-8k tokens)."""
-    mbu: float = 0.75
-    """Fraction of memory bandwidth achieved streaming weights. Fitted, together with
-    ``step_overhead_s``, to two measured vLLM batch-1 decodes of Llama-3.1-8B bf16:
-    6.48 ms TPOT on H100 (InferenceBench "Recipe: concurrency sweep",
-    yobitelcomm.github.io/bench, vLLM 0.21) and ~75 tok/s on A100-40GB ("vLLM
-    throughput-latency sweep on NVIDIA A100", johnmusgrave.com, vLLM 0.23: "roughly 77% of
-    the memory-bandwidth ceiling"). Solving both gives 0.76 and 0.55 ms."""
-    attn_mfu: float = 0.40
-    """Fraction of peak FLOP/s of prefill attention. FlashAttention-3 (Shah et al., 2024)
-    reports FlashAttention-2 at ~35% of H100 peak and FA3 up to 75% (740 TFLOP/s) on long
-    sequences; serving runs short causal varlen chunks, in between."""
-    attn_mbu: float = 0.70
-    """Fraction of memory bandwidth reading/writing paged KV. FA2 paged batch decode on H100
-    SXM reaches 47% of peak at only 65 MiB of KV, rising with size as its ~20 us fixed cost
-    amortizes (microsoft/onnxruntime PR #21414); a bit below ``mbu`` for block gathers."""
-    step_overhead_s: float = 5e-4
-    """Fixed seconds per step: CUDA-graph launch, input preparation, sampling, scheduler.
-    Fitted with ``mbu`` (see there). "vLLM v0.6.0: 2.7x Throughput Improvement and 5x
-    Latency Reduction" (blog.vllm.ai, 2024-09-05) measured CPU work (API server 33%,
-    scheduling 29%) dominating Llama-3-8B on H100 before async output processing and
-    multi-step scheduling hid most of it; this is the part left on the critical path."""
-    seq_overhead_s: float = 5e-6
-    """Seconds per scheduled sequence per step (input tensors, sampling, output
-    processing): the batch-proportional share of the CPU time in the same vLLM post;
-    an estimate (1.3 ms at 256 sequences)."""
-    host_link_fraction: float = 0.75
-    """Fraction of the host link's line rate a KV swap reaches. nvbandwidth measures
-    25.1 GB/s host-to-device on A100 (PCIe Gen4, 32 GB/s: 0.79; NVIDIA/nvbandwidth #42)
-    and 35-53 GB/s on H100 (Gen5, 64 GB/s; NVIDIA/nvbandwidth #24)."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name.endswith("_s"):
-                if value < 0:
-                    raise ValueError(f"Efficiency.{f.name} must be >= 0, got {value}")
-            elif not 0.0 < value <= 1.0:
-                raise ValueError(f"Efficiency.{f.name} must be in (0, 1], got {value}")
+TERMS = (
+    "gemm",
+    "lm_head",
+    "norm",
+    "rope",
+    "activation",
+    "residual",
+    "embedding",
+    "sampling",
+    "attention_prefill",
+    "attention_decode",
+    "attention_launch",
+    "allreduce",
+    "swap",
+    "copy",
+    "overhead",
+)
+"""Names of :meth:`CostModel.breakdown`'s terms (their sum is ``total``)."""
 
 
 class CostModel:
     """Predicts the wall time of one engine step from what the scheduler put in it.
 
-    All constants are folded in ``__init__`` so :meth:`step_time` is a few multiply-adds:
-    the simulator calls it once per step, hundreds of thousands of times.
+    ``efficiency`` defaults to the GPU's shipped profile (``hw.efficiency``); ``overhead``
+    to no engine overhead; ``tables`` (measured for this model) replace the per-token and
+    per-request terms. See the module docstring for every term.
     """
 
     def __init__(
-        self, model: ModelSpec, hw: HardwareSpec, tp: int = 1, efficiency: Efficiency | None = None
+        self,
+        model: ModelSpec,
+        hw: HardwareSpec,
+        tp: int = 1,
+        efficiency: DeviceEfficiency | None = None,
+        overhead: EngineOverhead | None = None,
+        tables: StepTables | None = None,
     ) -> None:
         model.check_tp(tp)
-        eff = efficiency if efficiency is not None else Efficiency()
-        self.model, self.hw, self.tp, self.efficiency = model, hw, tp, eff
-        gemm_rate = hw.peak_flops * eff.mfu
-        self._t_flop_token = 2 * model.linear_params(tp) / gemm_rate
-        self._t_flop_seq = 2 * model.vocab_params(tp) / gemm_rate
-        self._t_weights = model.streamed_weight_bytes(tp) / (hw.mem_bandwidth * eff.mbu)
-        heads = model.num_heads // tp
-        self._t_attn_pair = (
-            4 * model.num_layers * heads * model.head_dim / (hw.peak_flops * eff.attn_mfu)
+        self.model, self.hw, self.tp = model, hw, tp
+        self.efficiency = eff = efficiency if efficiency is not None else hw.efficiency()
+        self.overhead = overhead if overhead is not None else EngineOverhead(source="none")
+        self.tables = tables
+        b = model.dtype_bytes
+        heads, kv_heads = model.num_heads // tp, model.kv_heads_per_rank(tp)
+        d, h = model.head_dim, model.hidden_size
+        inter = math.ceil(model.intermediate_size / tp)
+        # (n, k) of each projection GEMM of one layer, per rank.
+        self._gemms = (
+            ((heads + 2 * kv_heads) * d, h),
+            (h, heads * d),
+            (2 * inter, h),
+            (h, inter),
         )
-        kv = model.kv_bytes_per_token(tp)
-        self._t_kv_token = kv / (hw.mem_bandwidth * eff.attn_mbu)
-        self._t_swap_token = kv / (hw.host_link_bandwidth * eff.host_link_fraction)
-        self._t_copy_token = 2 * kv / (hw.mem_bandwidth * eff.mbu)
-        # NOTE: two all-reduces per layer (after attention and after the MLP), ring cost.
-        if tp > 1:
-            ring = 2 * (tp - 1) / tp
-            self._t_ar_token = (
-                2
-                * model.num_layers
-                * ring
-                * model.hidden_size
-                * model.dtype_bytes
-                / hw.allreduce_bandwidth
-            )
-            self._t_ar_step = 2 * model.num_layers * hw.allreduce_latency_s
-        else:
-            self._t_ar_token = self._t_ar_step = 0.0
-        self._t_step = eff.step_overhead_s
-        self._t_seq = eff.seq_overhead_s
+        self._vocab_r = math.ceil(model.vocab_size / tp)
+        self._layers = model.num_layers
+        self._b = b
+        self._ops_per_token = (
+            (2 * self._layers + 1, 2 * h * b, eff.norm),
+            (self._layers, 2 * (heads + kv_heads) * d * b, eff.rope),
+            (self._layers, 3 * inter * b, eff.activation),
+            (2 * self._layers, 3 * h * b, eff.residual),
+            (1, 2 * h * b, eff.embedding),
+        )
+        self._allreduce: AllReduceModel | None = (
+            allreduce_model(hw.interconnect, tp) if tp > 1 else None
+        )
+        bw, att = hw.mem_bandwidth, eff.attention
+        kv_layer = 2 * kv_heads * d * b  # K and V of one token in one layer
+        self._kv_layer = kv_layer
+        self._q_layer = heads * d * b
+        self._pair_flops = 4 * heads * d  # QK^T and PV per query-key pair, one layer
+        self._t_decode_token = self._layers * kv_layer / (bw * att.decode_fraction)
+        self._decode_pad = att.decode_half_context
+        self._t_attn_step = self._layers * att.launch_s
+        self._t_chunk = self._layers * att.chunk_s
+        kv_all = model.kv_bytes_per_token(tp)
+        self._t_swap_token = kv_all / (hw.host_link_bandwidth * eff.host_link_fraction)
+        self._t_copy_token = 2 * kv_all / (bw * eff.gemm.memory_fraction)
+        self._by_tokens: dict[int, tuple[float, ...]] = {}
+        self._by_seqs: dict[int, tuple[float, float]] = {}
 
+    # -- cached per-T and per-S terms ---------------------------------------------------
+    def _gemm(self, m: int, n: int, k: int) -> float:
+        f = 2.0 * m * n * k
+        w = (n * k + m * k + m * n) * self._b
+        return self.efficiency.gemm.time(f, w, self.hw.peak_flops, self.hw.mem_bandwidth)
+
+    def _token_terms(self, t: int) -> tuple[float, ...]:
+        """(gemm, norm, rope, activation, residual, embedding, allreduce) at T = t."""
+        terms = self._by_tokens.get(t)
+        if terms is None:
+            bw = self.hw.mem_bandwidth
+            if self.tables is not None:
+                gemm, ops = self.tables.token_time(t), (0.0,) * len(self._ops_per_token)
+            else:
+                gemm = self._layers * sum(self._gemm(t, n, k) for n, k in self._gemms)
+                ops = tuple(count * op.time(t * per, bw) for count, per, op in self._ops_per_token)
+            ar = 0.0
+            if self._allreduce is not None:
+                ar = 2 * self._layers * self._allreduce.time(t * self.model.hidden_size * self._b)
+            terms = (gemm, *ops, ar)
+            self._by_tokens[t] = terms
+        return terms
+
+    def _seq_terms(self, s: int) -> tuple[float, float]:
+        """(lm_head, sampling) at S = s."""
+        terms = self._by_seqs.get(s)
+        if terms is None and self.tables is not None:
+            terms = (self.tables.seq_time(s), 0.0)
+            self._by_seqs[s] = terms
+        elif terms is None:
+            lm_head = self._gemm(s, self._vocab_r, self.model.hidden_size)
+            sampling = self.efficiency.activation.time(
+                3 * s * self.model.vocab_size * 4, self.hw.mem_bandwidth
+            )
+            terms = (lm_head, sampling)
+            self._by_seqs[s] = terms
+        return terms
+
+    def _chunk(self, c: int, p: int) -> float:
+        """Attention of one prefill chunk over all layers (AttentionCurve's formula)."""
+        att, hw = self.efficiency.attention, self.hw
+        k = p + c
+        eff = att.prefill_fraction * k / (k + att.prefill_half_context)
+        compute = self._pair_flops * c * (p + (c + 1) / 2) / (hw.peak_flops * eff)
+        memory = (k * self._kv_layer + c * self._q_layer) / (hw.mem_bandwidth * att.decode_fraction)
+        return self._layers * max(compute, memory) + self._t_chunk
+
+    # -- the step -------------------------------------------------------------------------
     def step_time(
         self,
-        num_tokens: int,
-        num_seqs: int,
-        attn_pairs: float,
-        kv_read_tokens: int,
+        num_decodes: int,
+        decode_context: int,
+        chunks: Sequence[Chunk] = (),
         swap_blocks: int = 0,
         copy_blocks: int = 0,
         block_size: int = 16,
     ) -> float:
-        """Seconds one step takes (see the module docstring for every term).
+        """Seconds one step takes.
 
-        ``num_tokens``: tokens computed (prefill chunks + decodes); ``num_seqs``: requests
-        in the step; ``attn_pairs``: Σ c·(p + (c+1)/2); ``kv_read_tokens``: Σ (p + c);
-        ``swap_blocks``/``copy_blocks``: KV blocks moved to/from host / copied on device.
+        ``num_decodes``: requests computing one token; ``decode_context``: Σ of their
+        contexts including that token (p + 1); ``chunks``: (c, p) of every request
+        computing c > 1 tokens; ``swap_blocks``/``copy_blocks``: KV blocks moved to/from
+        the host / copied on the device.
         """
         moved = 0.0
         if swap_blocks or copy_blocks:
             moved = block_size * (
                 swap_blocks * self._t_swap_token + copy_blocks * self._t_copy_token
             )
-        if num_tokens <= 0:
+        tokens = num_decodes
+        attention = 0.0
+        for c, p in chunks:
+            tokens += c
+            attention += self._chunk(c, p)
+        if tokens <= 0:
             return moved
-        gemm = num_tokens * self._t_flop_token + num_seqs * self._t_flop_seq
-        if gemm < self._t_weights:
-            gemm = self._t_weights
-        attn = attn_pairs * self._t_attn_pair
-        attn_mem = (kv_read_tokens + num_tokens) * self._t_kv_token
-        if attn < attn_mem:
-            attn = attn_mem
+        seqs = num_decodes + len(chunks)
+        if num_decodes:
+            attention += (decode_context + num_decodes * self._decode_pad) * self._t_decode_token
+        gemm, norm, rope, act, res, emb, ar = self._token_terms(tokens)
+        lm_head, sampling = self._seq_terms(seqs)
         return (
-            gemm
-            + attn
-            + num_tokens * self._t_ar_token
-            + self._t_ar_step
-            + moved
-            + self._t_step
-            + num_seqs * self._t_seq
+            gemm + norm + rope + act + res + emb + ar + lm_head + sampling
+            + attention + self._t_attn_step + moved + self.overhead.time(seqs, tokens)
         )
 
     def breakdown(
         self,
-        num_tokens: int,
-        num_seqs: int,
-        attn_pairs: float,
-        kv_read_tokens: int,
+        num_decodes: int,
+        decode_context: int,
+        chunks: Sequence[Chunk] = (),
         swap_blocks: int = 0,
         copy_blocks: int = 0,
         block_size: int = 16,
     ) -> dict[str, float]:
-        """The terms of :meth:`step_time` by name, in seconds (``total`` is their sum)."""
-        swap = block_size * swap_blocks * self._t_swap_token
-        copy = block_size * copy_blocks * self._t_copy_token
-        active = num_tokens > 0
-        parts = {
-            "gemm_compute": (num_tokens * self._t_flop_token + num_seqs * self._t_flop_seq)
-            if active
-            else 0.0,
-            "gemm_memory": self._t_weights if active else 0.0,
-            "attention_compute": attn_pairs * self._t_attn_pair if active else 0.0,
-            "attention_memory": (
-                (kv_read_tokens + num_tokens) * self._t_kv_token if active else 0.0
-            ),
-            "allreduce": (num_tokens * self._t_ar_token + self._t_ar_step) if active else 0.0,
-            "swap": swap,
-            "copy": copy,
-            "overhead": (self._t_step + num_seqs * self._t_seq) if active else 0.0,
-        }
-        parts["gemm"] = max(parts["gemm_compute"], parts["gemm_memory"])
-        parts["attention"] = max(parts["attention_compute"], parts["attention_memory"])
-        parts["total"] = (
-            parts["gemm"]
-            + parts["attention"]
-            + parts["allreduce"]
-            + swap
-            + copy
-            + parts["overhead"]
-        )
+        """The terms of :meth:`step_time` by name (``TERMS``), in seconds, plus ``total``."""
+        parts = dict.fromkeys(TERMS, 0.0)
+        parts["swap"] = block_size * swap_blocks * self._t_swap_token
+        parts["copy"] = block_size * copy_blocks * self._t_copy_token
+        tokens = num_decodes + sum(c for c, _ in chunks)
+        if tokens > 0:
+            seqs = num_decodes + len(chunks)
+            names = ("gemm", "norm", "rope", "activation", "residual", "embedding", "allreduce")
+            parts.update(zip(names, self._token_terms(tokens), strict=True))
+            parts["lm_head"], parts["sampling"] = self._seq_terms(seqs)
+            parts["attention_prefill"] = sum(self._chunk(c, p) for c, p in chunks)
+            parts["attention_decode"] = (
+                (decode_context + num_decodes * self._decode_pad) * self._t_decode_token
+                if num_decodes
+                else 0.0
+            )
+            parts["attention_launch"] = self._t_attn_step
+            parts["overhead"] = self.overhead.time(seqs, tokens)
+        parts["total"] = sum(parts[name] for name in TERMS)
         return parts
 
     def decode_step_time(self, batch: int, context: int) -> float:
-        """One decode step of ``batch`` sequences with ``context`` tokens cached each."""
-        return self.step_time(batch, batch, batch * (context + 1.0), batch * (context + 1))
+        """One decode step of ``batch`` requests with ``context`` tokens cached each."""
+        return self.step_time(batch, batch * (context + 1))
 
     def prefill_time(self, prompt_len: int) -> float:
         """One request's whole prompt of ``prompt_len`` tokens in a single step, no cache."""
-        return self.step_time(prompt_len, 1, prompt_len * (prompt_len + 1) / 2, prompt_len)
+        if prompt_len == 1:
+            return self.step_time(1, 1)
+        return self.step_time(0, 0, [(prompt_len, 0)])

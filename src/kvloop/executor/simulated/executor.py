@@ -24,27 +24,28 @@ class SimulatedExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = scheduler_output
         scheduled = out.num_scheduled_tokens
-        attn_pairs = 0.0
-        kv_read = 0
+        num_decodes = 0
+        decode_context = 0
+        chunks: list[tuple[int, int]] = []
         for d in out.new_requests:
             c = scheduled[d.request_id]
-            p = d.num_computed_tokens
-            attn_pairs += c * (p + (c + 1) / 2)
-            kv_read += p + c
+            if c == 1:
+                num_decodes += 1
+                decode_context += d.num_computed_tokens + 1
+            else:
+                chunks.append((c, d.num_computed_tokens))
         cached = out.cached_requests
         for rid, p in zip(cached.request_ids, cached.num_computed_tokens, strict=True):
             c = scheduled[rid]
             if c == 1:
-                attn_pairs += p + 1
-                kv_read += p + 1
+                num_decodes += 1
+                decode_context += p + 1
             else:
-                attn_pairs += c * (p + (c + 1) / 2)
-                kv_read += p + c
+                chunks.append((c, p))
         step_time = self.cost_model.step_time(
-            out.total_num_scheduled_tokens,
-            len(scheduled),
-            attn_pairs,
-            kv_read,
+            num_decodes,
+            decode_context,
+            chunks,
             len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out),
             len(out.blocks_to_copy),
             self.block_size,

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvloop.executor.simulated.efficiency import DeviceEfficiency, fitted_efficiency
+from kvloop.executor.simulated.network import allreduce_model
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -175,35 +178,45 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """One GPU: peak rates from the vendor datasheet, link rates as achievable-ish nominal."""
+    """One GPU: peak rates from the vendor datasheet, and how its kernels reach them."""
 
     name: str
-    """Preset name."""
+    """Preset name, or the name in a JSON spec."""
     peak_flops: float
-    """Dense bf16/fp16 tensor-core FLOP/s (no 2:4 sparsity)."""
+    """Dense bf16/fp16 tensor-core FLOP/s with FP32 accumulate (no 2:4 sparsity)."""
     mem_bandwidth: float
     """Device memory bandwidth, bytes/s."""
     mem_bytes: int
     """Device memory as the driver reports it (nvidia-smi total), bytes."""
     host_link_bandwidth: float
     """Host<->device bytes/s in one direction (PCIe or C2C), used for KV swap."""
-    allreduce_bandwidth: float
-    """All-reduce bus bandwidth per GPU, bytes/s (NCCL ``busbw``): NVLink where the
-    product has it, PCIe otherwise."""
-    allreduce_latency_s: float
-    """Fixed cost of one small all-reduce, seconds."""
+    interconnect: str
+    """All-reduce table for tensor parallelism (:mod:`.network`): ``nvlink3``,
+    ``nvlink4``, ``pcie4`` or ``pcie5``."""
+    profile: str | DeviceEfficiency = "derived"
+    """Kernel efficiencies: a shipped fit (``a100``, ``a40``, ``h100``), ``derived`` (the
+    fits averaged, for GPUs without a public profile), or explicit values."""
 
     def __post_init__(self) -> None:
-        for field in (
-            "peak_flops",
-            "mem_bandwidth",
-            "mem_bytes",
-            "host_link_bandwidth",
-            "allreduce_bandwidth",
-            "allreduce_latency_s",
-        ):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{self.name}: {field} must be positive")
+        for field in ("peak_flops", "mem_bandwidth", "mem_bytes", "host_link_bandwidth"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"{self.name}: {field} must be a positive number, got {value!r}")
+        if not isinstance(self.interconnect, str) or not self.interconnect:
+            raise ValueError(f"{self.name}: interconnect must name a table")
+
+    def efficiency(self) -> DeviceEfficiency:
+        """The device's kernel efficiencies (see ``profile``)."""
+        if isinstance(self.profile, DeviceEfficiency):
+            return self.profile
+        return fitted_efficiency(self.profile)
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOPs per byte at which a kernel turns from memory- to compute-bound."""
+        return self.peak_flops / self.mem_bandwidth
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -219,56 +232,69 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     ),
 }
 
+
+_PCIE4, _PCIE5 = 32e9, 64e9  # x16 line rate per direction (datasheets give both summed)
+
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    # mem_bytes: nvidia-smi "Total" of each card (81920 / 81559 / 143771 / 23034 / 24564 MiB,
-    # as printed in many public logs). Host links: PCIe x16 line rate per direction (Gen4
-    # 32 GB/s, Gen5 64 GB/s, the datasheets' 64 / 128 GB/s being both directions summed).
-    "a100-80gb": HardwareSpec(  # NVIDIA A100 datasheet (SXM4 80GB): 312 TF bf16, 2,039 GB/s.
-        "a100-80gb",
-        312e12,
-        2039e9,
-        81920 * MiB,
-        32e9,
-        # NCCL busbw measured on 8x A100 SXM: ~200-208 GB/s (NVIDIA/nccl-tests #149, #178).
-        205e9,
-        10e-6,
+    # mem_bytes: the nvidia-smi "Total" of each card, as printed in many public logs.
+    # Efficiency: Vidur's profiled GPUs use their own fits; the others are derived.
+    "a100-80gb": HardwareSpec(  # A100 datasheet (SXM4 80GB): 312 TF bf16, 2,039 GB/s.
+        "a100-80gb", 312e12, 2039e9, 81920 * MiB, _PCIE4, "nvlink3", "a100"
     ),
-    "h100": HardwareSpec(  # NVIDIA H100 datasheet (SXM5): 989 TF bf16 dense, 3.35 TB/s HBM3.
-        "h100",
-        989.4e12,
-        3.35e12,
-        81559 * MiB,
-        64e9,
-        # NVLink4 is 450 GB/s per direction; NCCL reaches ~370 GB/s busbw after protocol
-        # overhead (sjeaugey in NVIDIA/nccl-tests #212).
-        370e9,
-        8e-6,
+    "a40": HardwareSpec(  # A40 datasheet: 149.7 TF fp16/bf16 dense, 696 GB/s GDDR6.
+        "a40", 149.7e12, 696e9, 46068 * MiB, _PCIE4, "pcie4", "a40"
     ),
-    "h200": HardwareSpec(  # NVIDIA H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
-        "h200", 989.4e12, 4.8e12, 143771 * MiB, 64e9, 370e9, 8e-6
+    "h100": HardwareSpec(  # H100 datasheet (SXM5): 989 TF bf16 dense, 3.35 TB/s HBM3.
+        "h100", 989.4e12, 3.35e12, 81559 * MiB, _PCIE5, "nvlink4", "h100"
     ),
-    "l4": HardwareSpec(  # NVIDIA L4 datasheet: 242 TF bf16 with sparsity (121 dense), 300 GB/s.
-        # No NVLink: all-reduce rides PCIe Gen4 (~20 GB/s busbw assumed, ~60% of line rate).
-        "l4",
-        121e12,
-        300e9,
-        23034 * MiB,
-        32e9,
-        20e9,
-        20e-6,
+    "h200": HardwareSpec(  # H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
+        "h200", 989.4e12, 4.8e12, 143771 * MiB, _PCIE5, "nvlink4"
+    ),
+    "l4": HardwareSpec(  # L4 datasheet: 242 TF bf16 with sparsity (121 dense), 300 GB/s.
+        "l4", 121e12, 300e9, 23034 * MiB, _PCIE4, "pcie4"
     ),
     "rtx-4090": HardwareSpec(  # Ada whitepaper: 165.2 TF bf16 (FP32 accumulate), 1,008 GB/s.
-        # No NVLink and no P2P on GeForce: NCCL stages all-reduce through host memory
-        # (~15 GB/s busbw assumed, about half the PCIe Gen4 line rate).
-        "rtx-4090",
-        165.2e12,
-        1008e9,
-        24564 * MiB,
-        32e9,
-        15e9,
-        30e-6,
+        # No P2P on GeForce: NCCL stages all-reduce through host memory, slower than the
+        # pcie4 table (measured with P2P) says.
+        "rtx-4090", 165.2e12, 1008e9, 24564 * MiB, _PCIE4, "pcie4"
+    ),
+    "rtx-pro-6000": HardwareSpec(
+        # RTX PRO 6000 Blackwell Workstation Edition: 188 SMs at ~2.6 GHz boost, 503.8 TF
+        # bf16/fp16 dense with FP32 accumulate (4 PF FP4 sparse / 8), 96 GB GDDR7 on a
+        # 512-bit bus at 28 Gbps = 1,792 GB/s; PCIe Gen5 x16, no NVLink. nvidia-smi total
+        # 97,887 MiB.
+        "rtx-pro-6000", 503.8e12, 1792e9, 97887 * MiB, _PCIE5, "pcie5"
     ),
 }
+
+_SPEC_KEYS = {
+    "name", "peak_flops", "mem_bandwidth", "mem_bytes", "host_link_bandwidth",
+    "interconnect", "profile",
+}
+
+
+def hardware_spec_from_dict(d: Any, where: str) -> HardwareSpec:
+    """A :class:`HardwareSpec` from a JSON object (``profile`` a shipped name or an object
+    with every :class:`DeviceEfficiency` field); ValueError naming ``where``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    unknown = sorted(set(d) - _SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    missing = sorted(_SPEC_KEYS - {"profile"} - set(d))
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
+    kw = dict(d)
+    if isinstance(kw.get("profile"), dict):
+        kw["profile"] = DeviceEfficiency.from_dict(kw["profile"], f"{where}: profile")
+    elif "profile" in kw:
+        fitted_efficiency(kw["profile"])  # an unknown name fails here, not mid-simulation
+    try:
+        spec = HardwareSpec(**kw)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    allreduce_model(spec.interconnect, 2)  # validates the name
+    return spec
 
 
 def get_model_spec(name_or_path: str) -> ModelSpec:
@@ -293,14 +319,22 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
     return ModelSpec.from_hf_config(cfg, path.resolve().parent.name, source=str(path))
 
 
-def get_hardware_spec(name: str) -> HardwareSpec:
-    """A hardware preset by name (case-insensitive)."""
-    try:
-        return HARDWARE_PRESETS[name.lower()]
-    except KeyError:
+def get_hardware_spec(name_or_path: str) -> HardwareSpec:
+    """A hardware preset by name (case-insensitive), or a JSON spec file (the fields of
+    :class:`HardwareSpec`)."""
+    if name_or_path.lower() in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[name_or_path.lower()]
+    path = Path(name_or_path)
+    if not path.is_file():
         raise ValueError(
-            f"unknown hardware '{name}': choose one of {', '.join(HARDWARE_PRESETS)}"
-        ) from None
+            f"unknown hardware '{name_or_path}': choose one of {', '.join(HARDWARE_PRESETS)} "
+            "or give a path to a JSON hardware spec"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON hardware spec ({exc})") from exc
+    return hardware_spec_from_dict(data, str(path))
 
 
 def default_activation_reserve_bytes(

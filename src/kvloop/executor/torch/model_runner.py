@@ -18,7 +18,13 @@ import torch
 
 from kvloop.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvloop.executor.torch.attention import build_metadata
-from kvloop.executor.torch.kv_cache import KVCache, block_bytes, cpu_kv_budget, cuda_kv_budget
+from kvloop.executor.torch.kv_cache import (
+    KVCache,
+    block_bytes,
+    cpu_kv_budget,
+    cuda_kv_budget,
+    physical_memory,
+)
 from kvloop.executor.torch.loader import load_model, resolve_device, resolve_dtype
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.sampler import Sampler, SamplingState
@@ -150,6 +156,24 @@ class TorchModelRunner:
         tokens = self.max_num_batched_tokens
         logits = 4 * self.max_num_seqs * cfg.vocab_size * 4  # float32 logits + sampler copies
         return tokens * per_token * elem + logits + _CUDA_RESERVE_SLACK
+
+    def device_memory(self) -> int:
+        """Bytes of the device's memory: the GPU's total, or physical RAM on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[1]
+        return physical_memory() or cpu_kv_budget(None)
+
+    def default_num_gpu_blocks(self, gpu_memory_utilization: float = 0.9) -> int:
+        """KV blocks this runner would size for itself with the default memory budget
+        (``kvloop profile`` records it; on CUDA the pool already allocated counts as free)."""
+        cfg = self.model_config
+        per_block = block_bytes(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size, self.dtype
+        )
+        blocks = self._blocks_from_budget(per_block, None, gpu_memory_utilization)
+        if self.device.type == "cuda":
+            blocks += self.num_gpu_blocks
+        return blocks
 
     def _blocks_from_budget(
         self, per_block: int, kv_cache_memory: int | None, utilization: float

@@ -1,0 +1,224 @@
+"""Self-validation: kvloop's simulator against kvloop's own torch engine on this machine.
+
+1. ``kvloop profile`` the model on this device (or reuse ``--calibration``).
+2. Serve a real workload with the torch engine in this process: ``--num-requests`` prompts
+   whose (prompt, output) lengths are drawn from the shipped ShareGPT trace and scaled by
+   ``--scale`` to suit the small model and the machine, random prompt token ids, outputs
+   forced to their length (``ignore_eos``), Poisson arrivals at ``--request-rate`` in real
+   time (requests join at step boundaries with their true arrival time, as through the
+   server). Every step is recorded (``--trace-out``).
+3. Simulate the very same requests (arrivals, lengths, token ids, scheduler and KV-cache
+   configuration) with the calibration.
+4. Print measured vs simulated TTFT / TPOT / e2e (mean, p50, p90) with % errors, and the
+   step-by-step error: each recorded step's batch costed by the same cost model against
+   the measured time from its start to the next step's start (steps followed by an idle
+   wait left out).
+
+    python benchmarks/sim_fidelity.py [--num-requests 100] [--request-rate 1.0]
+        [--scale 0.125] [--calibration PATH] [--trace-out PATH] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvloop.cli import main as kvloop_main
+from kvloop.core.stats import StepRecorder
+from kvloop.engine.args import EngineArgs
+from kvloop.engine.llm_engine import LLMEngine
+from kvloop.executor.simulated import CostModel
+from kvloop.executor.simulated.calibration import Calibration
+from kvloop.sampling_params import SamplingParams
+from kvloop.sim.driver import simulate
+from kvloop.sim.metrics import percentile
+from kvloop.sim.traces import WorkloadRequest, trace_lengths
+from kvloop.viz.summary import reconstruct_requests
+
+METRICS = ("ttft", "tpot", "e2e")
+QUANTILES = ("mean", "p50", "p90")
+
+
+def make_workload(n: int, rate: float, scale: float, vocab: int, max_len: int,
+                  seed: int) -> list[WorkloadRequest]:
+    rng = random.Random(seed)
+    pairs = trace_lengths("sharegpt")
+    out, t = [], 0.0
+    for i in range(n):
+        p, o = rng.choice(pairs)
+        p = max(4, min(int(p * scale), max_len // 2))
+        o = max(1, min(int(o * scale), max_len - p))
+        ids = [rng.randrange(100, vocab) for _ in range(p)]
+        out.append(WorkloadRequest(f"r{i}", t, ids, o))
+        t += rng.expovariate(rate)
+    return out
+
+
+def serve(engine: LLMEngine, workload: list[WorkloadRequest]) -> tuple[float, set[int]]:
+    """Run the workload in real time; returns the start time and the steps after which the
+    engine sat idle waiting for an arrival."""
+    idle_after: set[int] = set()
+    start = engine.clock()
+    i, n = 0, len(workload)
+    while i < n or engine.has_unfinished_requests():
+        now = engine.clock() - start
+        while i < n and workload[i].arrival_time <= now:
+            w = workload[i]
+            params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+            engine.add_request(w.request_id, list(w.prompt_token_ids), params,
+                               arrival_time=start + w.arrival_time)
+            i += 1
+        if engine.has_unfinished_requests():
+            engine.step()
+        elif i < n:
+            rec = engine.scheduler.recorder
+            if rec is not None and rec.records:
+                idle_after.add(rec.records[-1].step)
+            time.sleep(max(0.0, workload[i].arrival_time - (engine.clock() - start)))
+    return start, idle_after
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {"mean": statistics.fmean(v), "p50": percentile(v, 50), "p90": percentile(v, 90)}
+
+
+def request_metrics(reqs) -> dict[str, dict[str, float]]:
+    ttft, tpot, e2e = [], [], []
+    for r in reqs:
+        first, last = r.token_times[0], r.token_times[-1]
+        ttft.append(first - r.arrival_time)
+        e2e.append(last - r.arrival_time)
+        if len(r.token_times) > 1:
+            tpot.append((last - first) / (len(r.token_times) - 1))
+    return {"ttft": stats(ttft), "tpot": stats(tpot), "e2e": stats(e2e)}
+
+
+def step_errors(records, cost: CostModel, idle_after: set[int]) -> dict[str, list[float]]:
+    """Relative error (simulated / measured − 1) of every step's time, by step kind."""
+    out: dict[str, list[float]] = {"all": [], "decode": [], "mixed": [], "prefill": []}
+    for rec, nxt in itertools.pairwise(records):
+        if rec.step in idle_after or not rec.scheduled:
+            continue
+        decodes = [e for e in rec.scheduled if e.num_tokens == 1]
+        chunks = [(e.num_tokens, e.num_computed_tokens) for e in rec.scheduled
+                  if e.num_tokens > 1]
+        predicted = cost.step_time(len(decodes), sum(e.num_computed_tokens + 1 for e in decodes),
+                                   chunks)
+        err = predicted / (nxt.time_s - rec.time_s) - 1
+        kind = "decode" if not chunks else "prefill" if not decodes else "mixed"
+        out["all"].append(err)
+        out[kind].append(err)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--request-rate", type=float, default=1.0)
+    ap.add_argument("--scale", type=float, default=0.125,
+                    help="multiply the ShareGPT lengths (default: %(default)s)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibration", type=Path, default=None,
+                    help="reuse a `kvloop profile` file instead of profiling first")
+    ap.add_argument("--profile-args", default="",
+                    help="extra `kvloop profile` flags, e.g. '--quick'")
+    ap.add_argument("--trace-out", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    cal_path = args.calibration
+    t0 = time.perf_counter()
+    if cal_path is None:
+        cal_path = Path(tempfile.mkdtemp()) / "calibration.json"
+        argv = ["profile", "--model", args.model, "-o", str(cal_path),
+                "--dtype", args.dtype, "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
+                *(["--device", args.device] if args.device else []),
+                *args.profile_args.split()]
+        if kvloop_main(argv) != 0:
+            raise SystemExit("kvloop profile failed")
+    profile_s = time.perf_counter() - t0
+    cal = Calibration.load(cal_path)
+
+    recorder = StepRecorder()
+    engine = LLMEngine.from_args(EngineArgs(
+        model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    ), recorder=recorder)
+    sched_cfg, cache_cfg = engine.scheduler.config, engine.scheduler.cache_config
+    workload = make_workload(args.num_requests, args.request_rate, args.scale,
+                             engine.vocab_size or 1000, sched_cfg.max_model_len, args.seed)
+    print(f"serving {len(workload)} requests at {args.request_rate} req/s "
+          f"(prompts mean {statistics.fmean(len(w.prompt_token_ids) for w in workload):.0f}, "
+          f"outputs mean {statistics.fmean(w.output_len for w in workload):.0f} tokens) on "
+          f"{cal.device_name}", file=sys.stderr)
+    t1 = time.perf_counter()
+    _, idle_after = serve(engine, workload)
+    serve_s = time.perf_counter() - t1
+    records = recorder.records
+    if args.trace_out:
+        with args.trace_out.open("w") as f:
+            for rec in records:
+                f.write(rec.to_json() + "\n")
+    measured = request_metrics(reconstruct_requests(records).values())
+
+    cost = cal.cost_model()
+    sim = simulate(workload, sched_cfg, cache_cfg, cost)
+    simulated = request_metrics(sim.requests)
+    errors = step_errors(records, cost, idle_after)
+
+    print(f"\nkvloop simulate vs kvloop's torch engine: {cal.model.name} ({cal.dtype}) on "
+          f"{cal.device_name}")
+    print(f"{len(workload)} requests, {len(records)} steps; profile {profile_s:.0f} s, real "
+          f"run {serve_s:.0f} s, simulation {sim.wall_time_s:.2f} s\n")
+    header = f"{'metric':<14}{'measured':>11}{'simulated':>11}{'error':>9}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name in METRICS:
+        for q in QUANTILES:
+            a, b = measured[name][q], simulated[name][q]
+            err = (b / a - 1) * 100
+            rows.append({"metric": name, "quantile": q, "measured_s": a, "simulated_s": b,
+                         "error_pct": err})
+            scale, unit = (1e3, "ms") if name == "tpot" else (1, "s")
+            print(f"{f'{name.upper()} {q} ({unit})':<14}{a * scale:11.3f}{b * scale:11.3f}"
+                  f"{err:+8.1f}%")
+    worst = max(abs(r["error_pct"]) for r in rows if r["quantile"] in ("mean", "p50"))
+    print(f"\nworst mean/median error {worst:.1f}% (target 10%, goal 5%)")
+    print("\nstep time, simulated vs measured (same batch, step by step):")
+    print(f"{'steps':<9}{'n':>6}{'median':>9}{'p10':>9}{'p90':>9}{'mean |err|':>12}")
+    step_rows = {}
+    for kind, errs in errors.items():
+        if not errs:
+            continue
+        e = sorted(errs)
+        step_rows[kind] = {"n": len(e), "median": percentile(e, 50), "p10": percentile(e, 10),
+                           "p90": percentile(e, 90),
+                           "mean_abs": statistics.fmean(abs(x) for x in e)}
+        r = step_rows[kind]
+        print(f"{kind:<9}{r['n']:>6}{r['median']:+9.1%}{r['p10']:+9.1%}{r['p90']:+9.1%}"
+              f"{r['mean_abs']:12.1%}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": cal.device_name, "rows": rows, "steps": step_rows,
+            "num_requests": len(workload), "request_rate": args.request_rate,
+            "scale": args.scale, "calibration": str(cal_path),
+        }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

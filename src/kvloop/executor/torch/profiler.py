@@ -1,0 +1,399 @@
+"""``kvloop profile``'s measurements: the torch executor timed piece by piece on this device.
+
+What is timed (each the median of a few runs after a warm-up; CUDA synchronised):
+
+1. per-token work at T tokens: the model's forward pass with attention stubbed out (every
+   layer's GEMMs on the real weights, norms, RoPE, activation, residual adds, embedding);
+2. the four projection GEMMs alone over all layers at T tokens (for the device's GEMM
+   curve, so the calibration also serves models other than the profiled one);
+3. per-request work at S requests: final norm, LM head and greedy sampling;
+4. attention of one layer (KV write + paged attention) for decode batches (B requests
+   over varied contexts) and prefill chunks (c tokens after p cached), times the layers;
+5. whole ``TorchModelRunner.execute`` steps (decode batches and mixed steps): what they
+   cost beyond 1-4 is the runner's own per-step work;
+6. the engine loop (scheduler + ``LLMEngine.step`` output handling) over a null executor.
+
+:func:`fit_calibration` turns these into a :class:`Calibration` (``kvloop.executor.
+simulated.calibration``): 1 and 3 become its tables, 2 a fitted GEMM curve, 4 a fitted
+attention curve, 5 and 6 the engine overhead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core.interface import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvloop.core.scheduler import Scheduler
+from kvloop.executor.simulated.calibration import Measurements
+from kvloop.executor.torch import models as _models_pkg  # noqa: F401  (registers models)
+from kvloop.executor.torch.attention import build_metadata, paged_attention, write_kv
+from kvloop.executor.torch.model_runner import TorchModelRunner
+from kvloop.executor.torch.models import llama as _llama
+from kvloop.executor.torch.models.llama import rms_norm
+from kvloop.executor.torch.sampler import SamplingState
+from kvloop.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How much to measure."""
+
+    max_num_batched_tokens: int = 2048
+    """Largest step measured (tokens)."""
+    max_num_seqs: int = 64
+    """Largest decode batch measured."""
+    max_context: int = 2048
+    """Longest context measured (capped at the model's max length)."""
+    budget_s: float = 0.25
+    """Seconds spent repeating one measurement (at least ``min_runs`` runs)."""
+    min_runs: int = 3
+    """Fewest timed runs per measurement (after one warm-up)."""
+    engine_steps: int = 60
+    """Engine-loop steps timed per batch size."""
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name with threads and widest vector ISA."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or "CPU"
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        for line in info.splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+        isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+        name = f"{name}, {isa}"
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+class _Timer:
+    def __init__(self, device: torch.device, settings: ProfileSettings) -> None:
+        self.device, self.settings = device, settings
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Median seconds of ``fn`` (one warm-up, then repeats within the budget)."""
+        fn()
+        self.sync()
+        runs: list[float] = []
+        spent = 0.0
+        while len(runs) < self.settings.min_runs or (spent < self.settings.budget_s
+                                                     and len(runs) < 50):
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            dt = time.perf_counter() - start
+            runs.append(dt)
+            spent += dt
+        return statistics.median(runs)
+
+
+def _powers(limit: int) -> list[int]:
+    out = [1 << i for i in range(max(1, limit).bit_length()) if (1 << i) <= limit]
+    return out if out[-1] == limit else [*out, limit]
+
+
+@contextmanager
+def _attention_stubbed() -> Iterator[None]:
+    """The model's forward with attention replaced by a zero output and no KV writes."""
+    saved = (_llama.paged_attention, _llama.write_kv)
+
+    def no_attention(
+        q: torch.Tensor, cache: torch.Tensor, meta: object, scale: float
+    ) -> torch.Tensor:
+        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+
+    _llama.paged_attention = no_attention  # type: ignore[assignment]
+    _llama.write_kv = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _llama.paged_attention, _llama.write_kv = saved
+
+
+class Profiler:
+    """Runs the measurements of the module docstring against one runner."""
+
+    def __init__(self, runner: TorchModelRunner, settings: ProfileSettings) -> None:
+        self.runner, self.settings = runner, settings
+        self.model = runner.model
+        self.cfg = runner.model_config
+        self.device = runner.device
+        self.timer = _Timer(self.device, settings)
+        self.max_context = min(settings.max_context, runner.max_model_len)
+        self.rng = random.Random(0)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _ids(self, n: int) -> torch.Tensor:
+        return torch.randint(3, self.cfg.vocab_size, (n,), device=self.device)
+
+    def _meta(self, starts: list[int], lengths: list[int], num_decodes: int):
+        bs = self.runner.block_size
+        tables, next_block = [], 1
+        for s, n in zip(starts, lengths, strict=True):
+            need = -(-(s + n) // bs)
+            tables.append(list(range(next_block, next_block + need)))
+            next_block += need
+        if next_block > self.runner.num_gpu_blocks:
+            raise RuntimeError("profile KV pool too small for its own grid")
+        return build_metadata(starts=starts, lengths=lengths, block_tables=tables,
+                              num_decodes=num_decodes, block_size=bs, device=self.device,
+                              dtype=self.runner.dtype)
+
+    # -- 1 and 2: per-token work and GEMMs ----------------------------------------------
+    def token_work(self, t: int) -> float:
+        meta, positions = self._meta([0], [t], 0)
+        ids, last = self._ids(t), torch.tensor([t - 1], device=self.device)
+        layers = self.runner.kv_cache.layers
+        with _attention_stubbed():
+            total = self.timer(lambda: self.model.forward(ids, positions, layers, meta, last))
+        return max(total - self._head(1), 0.0)
+
+    def gemms(self, t: int) -> list[tuple[float, float, float]]:
+        """(flops, bytes, s per layer) of the QKV, O, gate/up and down GEMMs at T = t."""
+        layers = self.model.layers
+        elem = torch.empty((), dtype=self.runner.dtype).element_size()
+        out = []
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            k, n = getattr(layers[0], name).shape
+            x = torch.randn(t, k, device=self.device, dtype=self.runner.dtype)
+            weights = [getattr(layer, name) for layer in layers]
+
+            def run(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
+                for w in weights:
+                    torch.mm(x, w)
+
+            per_layer = self.timer(run) / len(weights)
+            out.append((2.0 * t * n * k, float((n * k + t * k + t * n) * elem), per_layer))
+        return out
+
+    # -- 3: per-request work -----------------------------------------------------------
+    def _head(self, s: int) -> float:
+        x = torch.randn(s, self.cfg.hidden_size, device=self.device, dtype=self.runner.dtype)
+        norm, lm_head, eps = self.model.norm, self.model.lm_head, self.cfg.rms_norm_eps
+        return self.timer(lambda: torch.nn.functional.linear(rms_norm(x, norm, eps),
+                                                             lm_head).float())
+
+    def seq_work(self, s: int) -> float:
+        x = torch.randn(s, self.cfg.hidden_size, device=self.device, dtype=self.runner.dtype)
+        norm, lm_head, eps = self.model.norm, self.model.lm_head, self.cfg.rms_norm_eps
+        states = [SamplingState(GREEDY, [1, 2, 3], []) for _ in range(s)]
+        sampler = self.runner.sampler
+
+        def run() -> None:
+            logits = torch.nn.functional.linear(rms_norm(x, norm, eps), lm_head).float()
+            sampler.sample(logits, states)
+            for st in states:
+                st.output_token_ids.clear()
+
+        return self.timer(run)
+
+    # -- 4: attention ------------------------------------------------------------------
+    def _attention(self, starts: list[int], lengths: list[int], num_decodes: int) -> float:
+        meta, _ = self._meta(starts, lengths, num_decodes)
+        cfg = self.cfg
+        t = sum(lengths)
+        q = torch.randn(t, cfg.num_heads, cfg.head_dim, device=self.device,
+                        dtype=self.runner.dtype)
+        kv = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, device=self.device,
+                         dtype=self.runner.dtype)
+        cache = self.runner.kv_cache.layers[0]
+        scale = cfg.head_dim**-0.5
+
+        def run() -> None:
+            write_kv(cache, kv, kv, meta.slot_mapping)
+            paged_attention(q, cache, meta, scale)
+
+        return self.timer(run) * cfg.num_layers
+
+    def decode_attention(self, batch: int, context: int) -> tuple[int, int, float]:
+        ctx = self.spread(context, batch)
+        return batch, sum(ctx), self._attention([c - 1 for c in ctx], [1] * batch, batch)
+
+    def prefill_attention(self, c: int, p: int) -> tuple[int, int, float]:
+        return c, p, self._attention([p], [c], 0)
+
+    # -- 5: whole runner steps ---------------------------------------------------------
+    def runner_step(self, decode_ctx: list[int], chunks: list[tuple[int, int]]) -> float:
+        """Median seconds of ``runner.execute`` for a steady-state step: requests decoding
+        at the given contexts (admitted beforehand, untimed) plus fresh prefill chunks."""
+        bs, slack = self.runner.block_size, 64
+        next_block = 1
+        runner = self.runner
+
+        def blocks(tokens: int) -> list[int]:
+            nonlocal next_block
+            need = -(-tokens // bs)
+            next_block += need
+            return list(range(next_block - need, next_block))
+
+        decode_ids = [f"profile-d{i}" for i in range(len(decode_ctx))]
+        admit = [NewRequestData(rid, self._ids(k).tolist(), [], GREEDY, blocks(k + slack), k - 1)
+                 for rid, k in zip(decode_ids, decode_ctx, strict=True)]
+        one = dict.fromkeys(decode_ids, 1)
+        if admit:
+            runner.execute(SchedulerOutput(0, admit, CachedRequestData(), one, len(one)))
+        chunk_reqs = [NewRequestData(f"profile-c{i}", self._ids(p + c).tolist(), [], GREEDY,
+                                     blocks(p + c), p) for i, (c, p) in enumerate(chunks)]
+        scheduled = one | {r.request_id: c for r, (c, _) in zip(chunk_reqs, chunks, strict=True)}
+        total = sum(scheduled.values())
+
+        def step() -> None:
+            cached = CachedRequestData(
+                list(decode_ids), [[] for _ in decode_ids],
+                [runner.requests[rid].num_computed for rid in decode_ids],
+                [False] * len(decode_ids),
+            )
+            runner.execute(SchedulerOutput(1, chunk_reqs, cached, scheduled, total))
+            for r in chunk_reqs:
+                runner.requests.pop(r.request_id, None)
+
+        try:
+            return self.timer(step)
+        finally:
+            runner.requests.clear()
+
+    def spread(self, base: int, n: int) -> list[int]:
+        """``n`` contexts around ``base`` (uniform in [0.1, 1.9]·base), sorted, capped so
+        that 64 more tokens still fit the measured range."""
+        top = max(2, self.max_context - 64)
+        return sorted(min(top, max(2, int(base * self.rng.uniform(0.1, 1.9))))
+                      for _ in range(n))
+
+
+class _NullExecutor:
+    """Samples token 3 for every scheduled request, instantly."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput(dict.fromkeys(out.num_scheduled_tokens, (3,)), 0.0)
+
+
+def engine_loop_time(batch: int, steps: int, tokenizer: Any | None, block_size: int) -> float:
+    """Median seconds of one ``LLMEngine.step`` with ``batch`` running decodes over a null
+    executor: the scheduler and the engine's output handling, nothing else."""
+    from kvloop.engine.llm_engine import LLMEngine
+
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=max(2048, batch), max_num_seqs=batch,
+                        max_model_len=4096),
+        CacheConfig(block_size=block_size, num_gpu_blocks=batch * (4096 // block_size + 1)),
+    )
+    engine = LLMEngine(sched, _NullExecutor(), tokenizer=tokenizer, vocab_size=None)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"e{i}", list(range(3, 67)), params)
+    engine.step()  # the prefill step
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def plan(
+    runner: TorchModelRunner, settings: ProfileSettings, m: Measurements,
+    tokenizer: Any | None = None,
+) -> list[tuple[str, Callable[[], None]]]:
+    """The measurements of the module docstring as (label, action) pairs; each action
+    appends its result to ``m``."""
+    prof = Profiler(runner, settings)
+    max_t, max_s = settings.max_num_batched_tokens, settings.max_num_seqs
+    items: list[tuple[str, Callable[[], None]]] = []
+
+    def add(label: str, action: Callable[[], None]) -> None:
+        items.append((label, action))
+
+    for t in _powers(max_t):
+        def tokens(t: int = t) -> None:
+            m.token_work.append((t, prof.token_work(t)))
+            m.gemms.extend((t, *g) for g in prof.gemms(t))
+        add(f"per-token work, {t} tokens", tokens)
+    for s in _powers(max_s):
+        add(f"LM head and sampler, {s} requests",
+            lambda s=s: m.seq_work.append((s, prof.seq_work(s))))
+    contexts = [c for c in (16, 128, 512, 2048) if c <= prof.max_context]
+    for b in [b for b in (1, 4, 16, 64) if b <= max_s]:
+        for c in contexts:
+            add(f"decode attention, {b} x {c}",
+                lambda b=b, c=c: m.decode_attention.append(prof.decode_attention(b, c)))
+    for c in [c for c in (16, 64, 256, 1024) if c <= max_t]:
+        for p in (0, 256, 1024):
+            if c + p <= prof.max_context:
+                add(f"prefill attention, {c} after {p}",
+                    lambda c=c, p=p: m.prefill_attention.append(prof.prefill_attention(c, p)))
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_s]
+    chunk = min(256, max_t // 2, prof.max_context // 2)
+    for b in batches:
+        for base, chunks in ((64, []), (512, []), (256, [(chunk, 0)] if chunk >= 2 else None)):
+            if chunks is None or base > prof.max_context:
+                continue
+            decode_ctx = prof.spread(base, b)
+
+            def step(b: int = b, dc: list[int] = decode_ctx, ch: list = chunks) -> None:
+                m.runner_steps.append({"decodes": b, "decode_context": sum(dc),
+                                       "chunks": ch, "s": prof.runner_step(dc, ch)})
+            add(f"runner step, {b} decodes{' + a chunk' if chunks else ''} ~{base}", step)
+    for b in [b for b in (1, 16, 64) if b <= max_s]:
+        add(f"engine loop, {b} requests",
+            lambda b=b: m.engine_loop.append(
+                (b, engine_loop_time(b, settings.engine_steps, tokenizer, runner.block_size))))
+    return items
+
+
+def new_measurements(runner: TorchModelRunner) -> Measurements:
+    """Empty measurements of ``runner``'s device, with its streaming bandwidth measured."""
+    dev = runner.device
+    timer = _Timer(dev, ProfileSettings())
+    return Measurements(
+        device=str(dev), device_name=device_name(dev),
+        dtype=str(runner.dtype).removeprefix("torch."), bandwidth=_bandwidth(timer, dev),
+    )
+
+
+def _bandwidth(timer: _Timer, device: torch.device) -> float:
+    """Bytes/s of a streaming copy far larger than the caches (read + write)."""
+    n = (256 << 20) // 4 if device.type == "cpu" else (1 << 30) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = timer(lambda: dst.copy_(src))
+    return 2 * n * 4 / seconds
+
+
+def created_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def blocks_for(settings: ProfileSettings, block_size: int, max_model_len: int) -> int:
+    """KV blocks the measurement grid needs (one layout at a time, plus slack)."""
+    ctx = min(settings.max_context, max_model_len)
+    decode = settings.max_num_seqs * -(-(ctx + 1) // block_size)
+    prefill = -(-(settings.max_num_batched_tokens + ctx) // block_size)
+    return decode + prefill + 64

@@ -1,0 +1,125 @@
+"""``kvloop profile``: time the torch executor on this device and write a calibration file
+that ``kvloop simulate --calibration`` uses instead of a GPU preset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="measure this device and write a simulator calibration file",
+        description="Time kvloop's torch executor piece by piece (GEMMs, attention, LM head, "
+        "runner and engine overhead) on this device and fit the simulator's cost model to "
+        "it. A few minutes on 2 CPU cores for the default model (--quick: under a minute).",
+    )
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="largest step measured (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="largest decode batch measured (default: %(default)s)")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="longest context measured (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and a smaller grid (512 tokens, 16 requests)")
+    p.add_argument("-o", "--output", default="calibration.json", metavar="PATH",
+                   help="where to write the calibration (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_context"):
+        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    out = Path(args.output)
+    if out.is_dir():
+        raise ValueError(f"--output {out} is a directory; give a file path")
+    from kvloop.engine.model_source import resolve_model
+    from kvloop.engine.tokenizer import Tokenizer
+    from kvloop.executor.simulated.fitting import fit_calibration
+    from kvloop.executor.simulated.specs import ModelSpec
+    from kvloop.executor.torch.model_runner import TorchModelRunner
+    from kvloop.executor.torch.profiler import (
+        ProfileSettings,
+        blocks_for,
+        created_now,
+        new_measurements,
+        plan,
+    )
+
+    settings = ProfileSettings(
+        max_num_batched_tokens=min(args.max_num_batched_tokens, 512)
+        if args.quick else args.max_num_batched_tokens,
+        max_num_seqs=min(args.max_num_seqs, 16) if args.quick else args.max_num_seqs,
+        max_context=min(args.max_context, 512) if args.quick else args.max_context,
+        budget_s=0.05 if args.quick else 0.25,
+        min_runs=2 if args.quick else 3,
+        engine_steps=20 if args.quick else 60,
+    )
+    def say(msg: str) -> None:
+        print(f"kvloop profile: {msg}", file=sys.stderr)
+
+    started = time.perf_counter()
+    path = resolve_model(args.model)
+    say(f"loading {path}")
+    max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    blocks = blocks_for(settings, args.block_size, int(max_len or 2048))
+    runner = TorchModelRunner(
+        str(path), dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_gpu_blocks=blocks, max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+    )
+    try:
+        tokenizer = Tokenizer(path)
+    except (OSError, ValueError) as exc:  # a bare weights folder: no detokenizer cost
+        say(f"no tokenizer ({exc}); the engine loop is timed without detokenization")
+        tokenizer = None
+    default_blocks = runner.default_num_gpu_blocks()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["torch_dtype"] = str(runner.dtype).removeprefix("torch.")
+    model = ModelSpec.from_hf_config(cfg, path.name, source=str(path / "config.json"))
+    m = new_measurements(runner)
+    say(f"{m.device_name}, {m.dtype}: {m.bandwidth / 1e9:.1f} GB/s streaming copy")
+    items = plan(runner, settings, m, tokenizer)
+    bar = tqdm(items, disable=args.no_progress or not sys.stderr.isatty(), unit="item",
+               leave=False)
+    for label, action in bar:
+        bar.set_description(label)
+        action()
+    bar.close()
+    cal = fit_calibration(m, model, block_size=args.block_size, num_gpu_blocks=default_blocks,
+                          device_memory=runner.device_memory(), created=created_now())
+    cal.save(out)
+    eff = cal.hardware.efficiency()
+    say(f"measured {len(items)} items in {time.perf_counter() - started:.0f} s; wrote {out}")
+    print(f"device      {cal.device_name} ({cal.dtype})")
+    print(f"peaks       {cal.hardware.peak_flops / 1e9:.1f} GFLOP/s, "
+          f"{cal.hardware.mem_bandwidth / 1e9:.1f} GB/s")
+    print(f"gemm        {eff.gemm.compute_fraction:.2f} of peak compute, "
+          f"{eff.gemm.memory_fraction:.2f} of bandwidth, sharpness {eff.gemm.sharpness:.2f}")
+    a = eff.attention
+    print(f"attention   prefill {a.prefill_fraction:.2f} of peak (half at "
+          f"{a.prefill_half_context:.0f} tokens), decode {a.decode_fraction:.2f} of bandwidth "
+          f"(+{a.decode_half_context:.0f} tokens per request), "
+          f"{a.launch_s * 1e6:.0f} µs/layer/step, {a.chunk_s * 1e6:.0f} µs/layer/chunk")
+    o = cal.overhead
+    print(f"overhead    {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.1f} µs/request + "
+          f"{o.token_s * 1e6:.2f} µs/token")
+    print(f"use it:     kvloop simulate --calibration {out} ...")
+    return 0

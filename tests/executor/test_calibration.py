@@ -1,0 +1,134 @@
+"""Calibration files: round trip, validation, and ``kvloop simulate --calibration``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from kvloop.cli import main
+from kvloop.executor.simulated import (
+    CostModel,
+    EngineOverhead,
+    HardwareSpec,
+    fitted_efficiency,
+    get_model_spec,
+)
+from kvloop.executor.simulated.calibration import Calibration
+from kvloop.executor.simulated.tables import StepTables
+
+MODEL = replace(get_model_spec("smollm2-135m"), dtype_bytes=4)
+
+
+def make_calibration() -> Calibration:
+    return Calibration(
+        device="cpu",
+        device_name="Test CPU, AVX2, 2 threads",
+        dtype="float32",
+        created="2026-11-30T00:00:00+00:00",
+        model=MODEL,
+        hardware=HardwareSpec("Test CPU", 300e9, 30e9, 16 << 30, 15e9, "pcie4",
+                              fitted_efficiency("derived")),
+        overhead=EngineOverhead(step_s=2e-3, seq_s=1e-4, source="test"),
+        tables=StepTables(tokens=(1, 16, 256), token_time_s=(0.03, 0.05, 0.2),
+                          seqs=(1, 8, 64), seq_time_s=(0.002, 0.005, 0.03)),
+        block_size=16,
+        num_gpu_blocks=4000,
+        measurements={"note": "raw timings"},
+    )
+
+
+def test_round_trip(tmp_path) -> None:
+    cal = make_calibration()
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert Calibration.load(path) == cal
+    assert json.loads(path.read_text())["kvloop_calibration"] == 1
+
+
+def test_tables_apply_to_the_profiled_model_only() -> None:
+    cal = make_calibration()
+    assert cal.matches(MODEL)
+    assert cal.matches(replace(MODEL, name="renamed", max_position_embeddings=4096))
+    assert not cal.matches(get_model_spec("smollm2-135m"))  # bf16, not the profiled fp32
+    cm = CostModel(MODEL, cal.hardware, tables=cal.tables, overhead=cal.overhead)
+    parts = cm.breakdown(8, 8 * 100)
+    assert parts["gemm"] == pytest.approx(0.03 + 0.02 * 7 / 15)
+    assert parts["lm_head"] == pytest.approx(0.005)
+    assert parts["overhead"] == pytest.approx(2e-3 + 8 * 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda d: d.pop("kvloop_calibration"), "not a kvloop calibration file"),
+        (lambda d: d.pop("tables"), "missing key(s) tables"),
+        (lambda d: d.update(extra=1), "unknown key(s) extra"),
+        (lambda d: d["tables"].update(tokens=[16, 1, 256]), "ascending"),
+        (lambda d: d["tables"].update(seq_time_s=[0.1]), "one time per point"),
+        (lambda d: d["hardware"].update(peak_flops=0), "peak_flops"),
+        (lambda d: d["hardware"]["profile"]["gemm"].update(compute_fraction=2), "compute_fraction"),
+        (lambda d: d["model"].update(num_layers=-1), "num_layers"),
+        (lambda d: d["overhead"].update(step_s=-1), "step_s"),
+        (lambda d: d.update(num_gpu_blocks=0), "num_gpu_blocks"),
+    ],
+)
+def test_bad_calibration_is_one_clear_error(tmp_path, edit, needle) -> None:
+    d = make_calibration().to_dict()
+    edit(d)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as err:
+        Calibration.load(path)
+    assert needle in str(err.value) and str(path) in str(err.value)
+
+
+def _simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvloop.cli", "simulate", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_calibration_and_gpu_files_exit_2_with_one_line(tmp_path) -> None:
+    not_json = tmp_path / "x.json"
+    not_json.write_text("{oops")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"kvloop_calibration": 99}))
+    bad_gpu = tmp_path / "gpu.json"
+    bad_gpu.write_text(json.dumps({"name": "g", "peak_flops": 1e12}))
+    cases = [
+        (["--calibration", str(tmp_path / "missing.json")], "calibration file not found"),
+        (["--calibration", str(not_json)], "not a readable JSON calibration file"),
+        (["--calibration", str(other)], "not a kvloop calibration file"),
+        (["--gpu", str(bad_gpu)], "missing key(s)"),
+        (["--gpu", "h100", "--engine-overhead", "fast"], "engine overhead must be"),
+    ]
+    for args, needle in cases:
+        r = _simulate(*args, "--num-requests", "5")
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_simulate_with_a_calibration(tmp_path, capsys) -> None:
+    path = tmp_path / "cal.json"
+    make_calibration().save(path)
+    out = tmp_path / "m.json"
+    rc = main(["simulate", "--calibration", str(path), "--num-requests", "30",
+               "--request-rate", "4", "--prompt-len", "16:256", "--output-len", "4:32",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "measured tables" in text and "Test CPU" in text
+    m = json.loads(out.read_text())
+    assert m["completed"] == 30
+    assert m["config"]["cache"]["num_gpu_blocks"] == 4000  # the profiled runner's pool
+    # Another model on the same device: the fitted curves, the KV budget in bytes kept.
+    rc = main(["simulate", "--calibration", str(path), "--model", "smollm2-135m",
+               "--num-requests", "10", "--request-rate", "4", "--prompt-len", "16:64",
+               "--output-len", "4:8", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    assert "the curves fitted to it" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["cache"]["num_gpu_blocks"] == 8000

@@ -1,0 +1,50 @@
+"""``kvloop profile`` on a tiny model: a calibration in seconds that the simulator uses."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import TinyModel  # noqa: F401  (fixtures come from conftest)
+
+from kvloop.cli import main
+from kvloop.executor.simulated.calibration import Calibration
+
+
+def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    rc = main(["profile", "--model", str(llama_model.path), "--device", "cpu", "--quick",
+               "--block-size", "4", "-o", str(out), "--no-progress"])
+    assert rc == 0
+    assert "kvloop simulate --calibration" in capsys.readouterr().out
+    cal = Calibration.load(out)
+    assert cal.device == "cpu" and cal.dtype == "float32" and "threads" in cal.device_name
+    assert cal.model.num_layers == 3 and cal.model.dtype_bytes == 4
+    assert cal.tables.tokens[0] == 1 and cal.tables.tokens[-1] == 512
+    assert all(t > 0 for t in cal.tables.token_time_s)
+    eff = cal.hardware.efficiency()
+    for fraction in (eff.gemm.compute_fraction, eff.gemm.memory_fraction,
+                     eff.attention.prefill_fraction, eff.attention.decode_fraction):
+        assert 0 < fraction <= 1
+    raw = cal.measurements
+    assert raw["decode_attention"] and raw["prefill_attention"] and raw["runner_steps"]
+    assert raw["engine_loop"]
+    # The profiled model's own steps cost what was measured, within the fit's noise.
+    cm = cal.cost_model()
+    for step in raw["runner_steps"]:
+        chunks = [tuple(c) for c in step["chunks"]]
+        predicted = cm.step_time(step["decodes"], step["decode_context"], chunks)
+        assert 0.3 < predicted / step["s"] < 3.0
+
+    metrics = tmp_path / "m.json"
+    rc = main(["simulate", "--calibration", str(out), "--num-requests", "20",
+               "--request-rate", "5", "--prompt-len", "8:100", "--output-len", "2:20",
+               "--max-model-len", "256", "--json", str(metrics), "--no-progress"])
+    assert rc == 0
+    assert json.loads(metrics.read_text())["completed"] == 20
+
+
+def test_profile_rejects_bad_flags(tmp_path, capsys):
+    assert main(["profile", "--max-num-seqs", "0", "-o", str(tmp_path / "c.json")]) == 2
+    assert "--max-num-seqs must be >= 1" in capsys.readouterr().err
+    assert main(["profile", "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
