@@ -165,7 +165,8 @@ def build_cost_model(
     hw = get_hardware_spec(args.gpu)
     overhead = engine_overhead(args.engine_overhead or "vllm")
     cost = CostModel(model, hw, tp=tp, overhead=overhead)
-    return cost, f"efficiency {cost.efficiency.source}; engine overhead {overhead.source}"
+    name = args.engine_overhead or "vllm"
+    return cost, f"{hw.name}, {cost.efficiency.source.split(' (')[0]}; {name} engine overhead"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     m = result.metrics
     m["config"] = {
         "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
-        "cost_model": basis, "engine_overhead": vars(cost.overhead),
+        "cost_model": basis, "efficiency_source": cost.efficiency.source,
+        "engine_overhead": vars(cost.overhead),
         "trace": args.trace, "num_requests": len(workload),
         "scheduler": vars(sched) | {"prefill_chunk_cap": sched.prefill_chunk_cap},
         "cache": vars(cache),
@@ -207,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
     print(f"kvloop simulate: {model.name} on {hw.name} × {args.tensor_parallel_size}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
-    print(f"cost model: {basis}")
+    o = cost.overhead
+    print(f"cost model: {basis} ({o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request)")
     print(format_table(m, extra))
     if args.json:
         with open(args.json, "w") as f:
