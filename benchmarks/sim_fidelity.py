@@ -13,8 +13,12 @@
    step-by-step error: each recorded step's batch costed by the same cost model against
    the measured time from its start to the next step's start (steps followed by an idle
    wait left out).
+5. Print how fast the machine was during the run relative to the profile: a reference
+   forward pass (64 tokens, attention left out) timed on the engine's runner before and
+   after serving, against the calibration's table. On a shared VM this drifts by several
+   percent within minutes, and every step of the run drifts with it.
 
-    python benchmarks/sim_fidelity.py [--num-requests 100] [--request-rate 1.0]
+    python benchmarks/sim_fidelity.py [--num-requests 100] [--request-rate 1.5]
         [--scale 0.125] [--calibration PATH] [--trace-out PATH] [--json PATH]
 """
 
@@ -38,11 +42,12 @@ from kvloop.executor.simulated import CostModel
 from kvloop.executor.simulated.calibration import Calibration
 from kvloop.sampling_params import SamplingParams
 from kvloop.sim.driver import simulate
-from kvloop.sim.metrics import percentile
+from kvloop.sim.metrics import percentile, summarize_requests
 from kvloop.sim.traces import WorkloadRequest, trace_lengths
 from kvloop.viz.summary import reconstruct_requests
 
 METRICS = ("ttft", "tpot", "e2e")
+REFERENCE_TOKENS = 64
 QUANTILES = ("mean", "p50", "p90")
 
 
@@ -85,25 +90,24 @@ def serve(engine: LLMEngine, workload: list[WorkloadRequest]) -> tuple[float, se
     return start, idle_after
 
 
-def stats(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {"mean": statistics.fmean(v), "p50": percentile(v, 50), "p90": percentile(v, 90)}
+def reference_step(engine: LLMEngine) -> float:
+    """Seconds of the runner's forward pass at REFERENCE_TOKENS tokens without attention
+    (what ``kvloop profile`` tabulates), timed now."""
+    import torch
+
+    from kvloop.executor.torch.profiler import Profiler, ProfileSettings
+
+    prof = Profiler(engine.executor, ProfileSettings(budget_s=1.0, min_runs=5))
+    with torch.inference_mode():
+        return prof.token_work(REFERENCE_TOKENS)
 
 
-def request_metrics(reqs) -> dict[str, dict[str, float]]:
-    ttft, tpot, e2e = [], [], []
-    for r in reqs:
-        first, last = r.token_times[0], r.token_times[-1]
-        ttft.append(first - r.arrival_time)
-        e2e.append(last - r.arrival_time)
-        if len(r.token_times) > 1:
-            tpot.append((last - first) / (len(r.token_times) - 1))
-    return {"ttft": stats(ttft), "tpot": stats(tpot), "e2e": stats(e2e)}
-
-
-def step_errors(records, cost: CostModel, idle_after: set[int]) -> dict[str, list[float]]:
-    """Relative error (simulated / measured − 1) of every step's time, by step kind."""
-    out: dict[str, list[float]] = {"all": [], "decode": [], "mixed": [], "prefill": []}
+def step_errors(
+    records, cost: CostModel, idle_after: set[int]
+) -> dict[str, list[tuple[float, float]]]:
+    """(simulated, measured) seconds of every step, by step kind."""
+    out: dict[str, list[tuple[float, float]]] = {"all": [], "decode": [], "mixed": [],
+                                                  "prefill": []}
     for rec, nxt in itertools.pairwise(records):
         if rec.step in idle_after or not rec.scheduled:
             continue
@@ -112,10 +116,10 @@ def step_errors(records, cost: CostModel, idle_after: set[int]) -> dict[str, lis
                   if e.num_tokens > 1]
         predicted = cost.step_time(len(decodes), sum(e.num_computed_tokens + 1 for e in decodes),
                                    chunks)
-        err = predicted / (nxt.time_s - rec.time_s) - 1
+        pair = (predicted, nxt.time_s - rec.time_s)
         kind = "decode" if not chunks else "prefill" if not decodes else "mixed"
-        out["all"].append(err)
-        out[kind].append(err)
+        out["all"].append(pair)
+        out[kind].append(pair)
     return out
 
 
@@ -125,7 +129,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=100)
-    ap.add_argument("--request-rate", type=float, default=1.0)
+    ap.add_argument("--request-rate", type=float, default=1.5)
     ap.add_argument("--scale", type=float, default=0.125,
                     help="multiply the ShareGPT lengths (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -165,19 +169,21 @@ def main() -> None:
           f"(prompts mean {statistics.fmean(len(w.prompt_token_ids) for w in workload):.0f}, "
           f"outputs mean {statistics.fmean(w.output_len for w in workload):.0f} tokens) on "
           f"{cal.device_name}", file=sys.stderr)
+    before = reference_step(engine)
     t1 = time.perf_counter()
     _, idle_after = serve(engine, workload)
     serve_s = time.perf_counter() - t1
+    after = reference_step(engine)
     records = recorder.records
     if args.trace_out:
         with args.trace_out.open("w") as f:
             for rec in records:
                 f.write(rec.to_json() + "\n")
-    measured = request_metrics(reconstruct_requests(records).values())
+    measured = summarize_requests(reconstruct_requests(records).values())
 
     cost = cal.cost_model()
     sim = simulate(workload, sched_cfg, cache_cfg, cost)
-    simulated = request_metrics(sim.requests)
+    simulated = sim.metrics
     errors = step_errors(records, cost, idle_after)
 
     print(f"\nkvloop simulate vs kvloop's torch engine: {cal.model.name} ({cal.dtype}) on "
@@ -199,24 +205,32 @@ def main() -> None:
                   f"{err:+8.1f}%")
     worst = max(abs(r["error_pct"]) for r in rows if r["quantile"] in ("mean", "p50"))
     print(f"\nworst mean/median error {worst:.1f}% (target 10%, goal 5%)")
+    ref = cal.tables.token_time(REFERENCE_TOKENS)
+    print(f"\nmachine speed: reference forward pass ({REFERENCE_TOKENS} tokens) "
+          f"{ref * 1e3:.1f} ms in the profile, {before * 1e3:.1f} ms before serving "
+          f"({before / ref - 1:+.1%}), {after * 1e3:.1f} ms after ({after / ref - 1:+.1%})")
     print("\nstep time, simulated vs measured (same batch, step by step):")
-    print(f"{'steps':<9}{'n':>6}{'median':>9}{'p10':>9}{'p90':>9}{'mean |err|':>12}")
+    print(f"{'steps':<9}{'n':>6}{'median':>9}{'p10':>9}{'p90':>9}{'mean |err|':>12}"
+          f"{'total':>9}")
     step_rows = {}
-    for kind, errs in errors.items():
-        if not errs:
+    for kind, pairs in errors.items():
+        if not pairs:
             continue
-        e = sorted(errs)
+        e = sorted(p / m - 1 for p, m in pairs)
+        total = sum(p for p, _ in pairs) / sum(m for _, m in pairs) - 1
         step_rows[kind] = {"n": len(e), "median": percentile(e, 50), "p10": percentile(e, 10),
                            "p90": percentile(e, 90),
-                           "mean_abs": statistics.fmean(abs(x) for x in e)}
+                           "mean_abs": statistics.fmean(abs(x) for x in e), "total": total}
         r = step_rows[kind]
         print(f"{kind:<9}{r['n']:>6}{r['median']:+9.1%}{r['p10']:+9.1%}{r['p90']:+9.1%}"
-              f"{r['mean_abs']:12.1%}")
+              f"{r['mean_abs']:12.1%}{total:+9.1%}")
+    print("(total: the steps' simulated time over their measured time, minus 1)")
     if args.json:
         args.json.write_text(json.dumps({
             "device": cal.device_name, "rows": rows, "steps": step_rows,
             "num_requests": len(workload), "request_rate": args.request_rate,
             "scale": args.scale, "calibration": str(cal_path),
+            "reference_step_s": {"profile": ref, "before": before, "after": after},
         }, indent=1))
 
 

@@ -100,7 +100,7 @@ def test_cli_bad_calibration_and_gpu_files_exit_2_with_one_line(tmp_path) -> Non
     bad_gpu.write_text(json.dumps({"name": "g", "peak_flops": 1e12}))
     cases = [
         (["--calibration", str(tmp_path / "missing.json")], "calibration file not found"),
-        (["--calibration", str(not_json)], "not a readable JSON calibration file"),
+        (["--calibration", str(not_json)], "not a readable JSON calibration"),
         (["--calibration", str(other)], "not a kvloop calibration file"),
         (["--gpu", str(bad_gpu)], "missing key(s)"),
         (["--gpu", "h100", "--engine-overhead", "fast"], "engine overhead must be"),

@@ -13,7 +13,8 @@ from kvloop.executor.simulated.calibration import Calibration
 def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, capsys):
     out = tmp_path / "cal.json"
     rc = main(["profile", "--model", str(llama_model.path), "--device", "cpu", "--quick",
-               "--block-size", "4", "-o", str(out), "--no-progress"])
+               "--block-size", "4", "--kv-cache-memory", str(64 << 20), "-o", str(out),
+               "--no-progress"])
     assert rc == 0
     assert "kvloop simulate --calibration" in capsys.readouterr().out
     cal = Calibration.load(out)

@@ -18,13 +18,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure this device and write a simulator calibration file",
         description="Time kvloop's torch executor piece by piece (GEMMs, attention, LM head, "
         "runner and engine overhead) on this device and fit the simulator's cost model to "
-        "it. A few minutes on 2 CPU cores for the default model (--quick: under a minute).",
+        "it. About a minute on 2 CPU cores for the default model (--quick: ~25 s).",
     )
     p.add_argument("--model", default="default",
                    help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of KV cache on CPU (default: the engine's default budget)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="largest step measured (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64,
@@ -68,30 +70,37 @@ def run(args: argparse.Namespace) -> int:
         if args.quick else args.max_num_batched_tokens,
         max_num_seqs=min(args.max_num_seqs, 16) if args.quick else args.max_num_seqs,
         max_context=min(args.max_context, 512) if args.quick else args.max_context,
-        budget_s=0.05 if args.quick else 0.25,
-        min_runs=2 if args.quick else 3,
+        budget_s=0.05 if args.quick else 0.6,
+        min_runs=2 if args.quick else 5,
         engine_steps=20 if args.quick else 60,
     )
+
     def say(msg: str) -> None:
         print(f"kvloop profile: {msg}", file=sys.stderr)
 
     started = time.perf_counter()
     path = resolve_model(args.model)
     say(f"loading {path}")
-    max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-    blocks = blocks_for(settings, args.block_size, int(max_len or 2048))
+    cfg = json.loads((path / "config.json").read_text())
+    need = blocks_for(settings, args.block_size, int(cfg.get("max_position_embeddings") or 2048))
+    # NOTE: the KV pool the engine would have (measured on it, blocks scattered over it).
     runner = TorchModelRunner(
         str(path), dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_gpu_blocks=blocks, max_num_batched_tokens=settings.max_num_batched_tokens,
+        num_gpu_blocks=None, kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
     )
+    if runner.num_gpu_blocks < need:
+        raise ValueError(
+            f"the KV pool holds {runner.num_gpu_blocks} blocks but the measurements need "
+            f"{need}: lower --max-context or --max-num-batched-tokens, or raise "
+            "--kv-cache-memory"
+        )
     try:
         tokenizer = Tokenizer(path)
     except (OSError, ValueError) as exc:  # a bare weights folder: no detokenizer cost
         say(f"no tokenizer ({exc}); the engine loop is timed without detokenization")
         tokenizer = None
-    default_blocks = runner.default_num_gpu_blocks()
-    cfg = json.loads((path / "config.json").read_text())
     cfg["torch_dtype"] = str(runner.dtype).removeprefix("torch.")
     model = ModelSpec.from_hf_config(cfg, path.name, source=str(path / "config.json"))
     m = new_measurements(runner)
@@ -103,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         bar.set_description(label)
         action()
     bar.close()
-    cal = fit_calibration(m, model, block_size=args.block_size, num_gpu_blocks=default_blocks,
+    cal = fit_calibration(m, model, block_size=args.block_size,
+                          num_gpu_blocks=runner.num_gpu_blocks,
                           device_memory=runner.device_memory(), created=created_now())
     cal.save(out)
     eff = cal.hardware.efficiency()

@@ -20,7 +20,12 @@ from typing import Any
 
 from kvloop.executor.simulated.cost_model import CostModel
 from kvloop.executor.simulated.efficiency import EngineOverhead
-from kvloop.executor.simulated.specs import HardwareSpec, ModelSpec, hardware_spec_from_dict
+from kvloop.executor.simulated.specs import (
+    HardwareSpec,
+    ModelSpec,
+    hardware_spec_from_dict,
+    read_json,
+)
 from kvloop.executor.simulated.tables import StepTables
 
 FORMAT_VERSION = 1
@@ -151,10 +156,4 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ValueError(f"calibration file not found: {path}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable JSON calibration file ({exc})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path, "calibration"), str(path))

@@ -234,15 +234,16 @@ def fitted_efficiency(profile: str) -> DeviceEfficiency:
 
 
 KVLOOP_OVERHEAD = EngineOverhead(
-    step_s=1.2e-3,
-    seq_s=13e-6,
+    step_s=5.7e-4,
+    seq_s=2.6e-5,
     token_s=0.0,
     source=(
-        "kvloop's engine and scheduler with a null executor, measured by "
-        "benchmarks/engine_overhead.py on this project's 2-core Xeon VM (see docs/simulator.md)"
+        "kvloop's engine loop (7 µs + 10.4 µs/request) and model runner host work (565 µs + "
+        "15.5 µs/request), benchmarks/engine_overhead.py on a 2-core Xeon VM (AVX-512), "
+        "2026-11-30; kernel launches not included"
     ),
 )
-"""kvloop's own engine loop (no overlap of CPU work with the device)."""
+"""kvloop's own engine: nothing of it overlaps the device's work."""
 
 
 def engine_overhead(name_or_seconds: str) -> EngineOverhead:

@@ -9,7 +9,7 @@ on a 50 ms one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 from scipy.optimize import least_squares, nnls
@@ -110,10 +110,9 @@ def fit_calibration(
     most 1): FLOP/s of the fastest GEMM, bytes/s of the fastest of the streaming copy, the
     weight-streaming GEMMs and decode attention. Then: the GEMM curve over the GEMMs; one
     memory-bound fit for the small ops from what per-token work costs beyond its GEMMs;
-    decode attention by non-negative least squares on (1, Σ contexts, requests); prefill
-    attention's compute fraction, half context and per-chunk cost by least squares; and
-    the engine overhead from what whole runner steps cost beyond the fitted model, plus the
-    engine loop over a null executor.
+    prefill attention's compute fraction, half context and per-chunk cost by least squares
+    on the kernel timings; decode attention and the engine overhead on whole runner steps
+    (:func:`_fit_steps`).
     """
     layers = model.num_layers
     b = model.dtype_bytes
@@ -161,26 +160,28 @@ def fit_calibration(
     fit = least_squares(lambda x: np.log(predict(x)) - np.log(pre[:, 2]),
                         x0=[0.3, 64.0, 1e-5],
                         bounds=([1e-4, 0.0, 0.0], [1.0, 1e5, float(np.min(pre[:, 2]))]))
-    attention = AttentionCurve(
+    micro = AttentionCurve(
         prefill_fraction=float(fit.x[0]), prefill_half_context=float(fit.x[1]),
         decode_fraction=decode_fraction, decode_half_context=float(half_decode),
         launch_s=float(launch), chunk_s=float(fit.x[2]),
-    )
-    efficiency = DeviceEfficiency(
-        gemm=gemm, norm=small, rope=small, activation=small, residual=small,
-        embedding=small, attention=attention, host_link_fraction=1.0,
-        source=f"kvloop profile on {m.device_name} ({m.dtype}), {created}",
-    )
-    hardware = HardwareSpec(
-        name=m.device_name, peak_flops=peak, mem_bandwidth=bandwidth,
-        mem_bytes=device_memory,
-        host_link_bandwidth=m.bandwidth / 2, interconnect="pcie4", profile=efficiency,
     )
     tables = StepTables(
         tokens=tuple(tokens), token_time_s=tuple(s for _, s in m.token_work),
         seqs=tuple(s for s, _ in m.seq_work), seq_time_s=tuple(t for _, t in m.seq_work),
     )
-    overhead = _fit_overhead(m, model, hardware, tables)
+
+    def device(attention: AttentionCurve, bw: float) -> HardwareSpec:
+        eff = DeviceEfficiency(
+            gemm=gemm, norm=small, rope=small, activation=small, residual=small,
+            embedding=small, attention=attention, host_link_fraction=1.0,
+            source=f"kvloop profile on {m.device_name} ({m.dtype}), {created}",
+        )
+        return HardwareSpec(name=m.device_name, peak_flops=peak, mem_bandwidth=bw,
+                            mem_bytes=device_memory, host_link_bandwidth=m.bandwidth / 2,
+                            interconnect="pcie4", profile=eff)
+
+    attention, bandwidth, overhead = _fit_steps(m, model, device(micro, bandwidth), tables)
+    hardware = device(attention, bandwidth)
     return Calibration(
         device=m.device, device_name=m.device_name, dtype=m.dtype, created=created,
         model=model, hardware=hardware, overhead=overhead, tables=tables,
@@ -188,27 +189,49 @@ def fit_calibration(
     )
 
 
-def _fit_overhead(
+def _fit_steps(
     m: Measurements, model: ModelSpec, hardware: HardwareSpec, tables: StepTables
-) -> EngineOverhead:
-    """Runner steps beyond the fitted model, by (1, S); plus the engine loop by (1, S).
-    (Per-token work is in the tables already; a free per-token term would only soak up
-    their noise.)"""
+) -> tuple[AttentionCurve, float, EngineOverhead]:
+    """Decode attention and the engine overhead, fitted to whole runner steps.
+
+    What a step costs beyond its measured tables and its chunks' attention (from the
+    kernel timings) is fitted as ``c0 + c1·S + c2·L·kv·Σ contexts`` by non-negative least
+    squares: c2 sets the decode-attention bandwidth fraction (the bandwidth is raised if
+    needed to keep it <= 1), c0 and c1 become the overhead's per-step and per-request cost
+    (launches and per-request attention work included), plus the engine loop over a null
+    executor. Steps as the runner really runs them, so the parts add up to the whole.
+    """
+    att = hardware.efficiency().attention
+    layers = model.num_layers
+    kv_layer = 2 * model.kv_heads_per_rank() * model.head_dim * model.dtype_bytes
     cost = CostModel(model, hardware, tables=tables)
     rows, resid = [], []
     for step in m.runner_steps:
         chunks = [tuple(ch) for ch in step["chunks"]]
         seqs = step["decodes"] + len(chunks)
-        rows.append((1.0, seqs))
-        resid.append(step["s"] - cost.step_time(step["decodes"], step["decode_context"], chunks))
-    runner = [0.0, 0.0]
-    if len(rows) >= 2:
-        runner = list(fit_nonnegative(list(zip(*rows, strict=True)), resid, relative=False))
+        tokens = step["decodes"] + sum(ch[0] for ch in chunks)
+        parts = cost.breakdown(0, 0, chunks) if chunks else {"attention_prefill": 0.0}
+        known = (tables.token_time(tokens) + tables.seq_time(seqs)
+                 + parts["attention_prefill"])
+        rows.append((1.0, seqs, layers * kv_layer * step["decode_context"]))
+        resid.append(step["s"] - known)
+    bandwidth = hardware.mem_bandwidth
+    attention = att
+    step_s = seq_s = 0.0
+    if len(rows) >= 3:
+        c0, c1, c2 = fit_nonnegative(list(zip(*rows, strict=True)), resid, relative=False)
+        step_s, seq_s = float(c0), float(c1)
+        if c2 > 0:
+            bandwidth = max(bandwidth, 1.0 / c2)
+            attention = replace(att, decode_fraction=float(1.0 / (c2 * bandwidth)),
+                                decode_half_context=0.0, launch_s=0.0)
     loop = [0.0, 0.0]
     if m.engine_loop:
         n = [float(s) for s, _ in m.engine_loop]
         loop = list(fit_nonnegative([[1.0] * len(n), n], [t for _, t in m.engine_loop]))
-    return EngineOverhead(
-        step_s=float(runner[0] + loop[0]), seq_s=float(runner[1] + loop[1]),
-        source=f"kvloop profile on {m.device_name}: runner bookkeeping and the engine loop",
+    overhead = EngineOverhead(
+        step_s=step_s + float(loop[0]), seq_s=seq_s + float(loop[1]),
+        source=f"kvloop profile on {m.device_name}: runner steps beyond the model's kernels, "
+        "and the engine loop",
     )
+    return attention, bandwidth, overhead

@@ -297,6 +297,17 @@ def hardware_spec_from_dict(d: Any, where: str) -> HardwareSpec:
     return spec
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """The parsed JSON file at ``path``; a missing or unreadable file is one ValueError
+    naming it and ``what`` it should have been."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what} file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON {what} ({exc})") from None
+
+
 def get_model_spec(name_or_path: str) -> ModelSpec:
     """A preset by name, or a spec read from a HF ``config.json`` (or a folder holding one)."""
     if name_or_path.lower() in MODEL_PRESETS:
@@ -310,10 +321,7 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
             f"({', '.join(MODEL_PRESETS)}) or give a path to a Hugging Face "
             "config.json"
         )
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON config ({exc})") from exc
+    cfg = read_json(path, "config")
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return ModelSpec.from_hf_config(cfg, path.resolve().parent.name, source=str(path))
@@ -330,11 +338,7 @@ def get_hardware_spec(name_or_path: str) -> HardwareSpec:
             f"unknown hardware '{name_or_path}': choose one of {', '.join(HARDWARE_PRESETS)} "
             "or give a path to a JSON hardware spec"
         )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON hardware spec ({exc})") from exc
-    return hardware_spec_from_dict(data, str(path))
+    return hardware_spec_from_dict(read_json(path, "hardware spec"), str(path))
 
 
 def default_activation_reserve_bytes(

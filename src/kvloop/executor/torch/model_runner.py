@@ -163,18 +163,6 @@ class TorchModelRunner:
             return torch.cuda.mem_get_info(self.device)[1]
         return physical_memory() or cpu_kv_budget(None)
 
-    def default_num_gpu_blocks(self, gpu_memory_utilization: float = 0.9) -> int:
-        """KV blocks this runner would size for itself with the default memory budget
-        (``kvloop profile`` records it; on CUDA the pool already allocated counts as free)."""
-        cfg = self.model_config
-        per_block = block_bytes(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size, self.dtype
-        )
-        blocks = self._blocks_from_budget(per_block, None, gpu_memory_utilization)
-        if self.device.type == "cuda":
-            blocks += self.num_gpu_blocks
-        return blocks
-
     def _blocks_from_budget(
         self, per_block: int, kv_cache_memory: int | None, utilization: float
     ) -> int:
