@@ -176,8 +176,8 @@ def derive(fits: list[DeviceEfficiency]) -> DeviceEfficiency:
         gemm=gemm,
         attention=AttentionCurve(decode_fraction=gemm.memory_fraction, **ATTENTION),
         **ops,
-        source="derived from public specs: the A100, A40 and H100 fits averaged (no "
-        "public operator profile of this GPU)",
+        source="derived from the GPU's specs: the A100, A40 and H100 fits averaged (no "
+        "operator profile of this GPU)",
     )
 
 

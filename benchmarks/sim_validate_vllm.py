@@ -96,12 +96,19 @@ def per_second(records, horizon: int) -> list[tuple[float, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--gpu", default="rtx-pro-6000")
-    ap.add_argument("--engine-overhead", default="vllm")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--trace-out", type=Path, default=None)
+    ap.add_argument("--data", type=Path, default=DATA,
+                    help="the validation run's folder (default: %(default)s)")
+    ap.add_argument("--gpu", default="rtx-pro-6000",
+                    help="hardware preset or JSON spec (default: %(default)s)")
+    ap.add_argument("--engine-overhead", default="vllm",
+                    help="vllm, kvloop, none or seconds per step (default: %(default)s)")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows as JSON")
+    ap.add_argument("--trace-out", type=Path, default=None,
+                    help="write the simulated step records (JSONL)")
     args = ap.parse_args()
+    if not (args.data / "meta.json").is_file():
+        raise SystemExit(f"no validation run at {args.data}: pass --data DIR (the folder "
+                         "with meta.json, requests.jsonl and the workload)")
 
     meta, workload, measured = load_run(args.data)
     kw = meta["engine_kwargs"]

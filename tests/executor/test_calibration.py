@@ -125,10 +125,26 @@ def test_simulate_with_a_calibration(tmp_path, capsys) -> None:
     m = json.loads(out.read_text())
     assert m["completed"] == 30
     assert m["config"]["cache"]["num_gpu_blocks"] == 4000  # the profiled runner's pool
-    # Another model on the same device: the fitted curves, the KV budget in bytes kept.
+    # The bf16 preset of the profiled model runs at the profiled dtype: its tables apply.
     rc = main(["simulate", "--calibration", str(path), "--model", "smollm2-135m",
                "--num-requests", "10", "--request-rate", "4", "--prompt-len", "16:64",
-               "--output-len", "4:8", "--json", str(out), "--no-progress"])
+               "--output-len", "4:8", "--no-progress"])
     assert rc == 0
-    assert "the curves fitted to it" in capsys.readouterr().out
-    assert json.loads(out.read_text())["config"]["cache"]["num_gpu_blocks"] == 8000
+    captured = capsys.readouterr()
+    assert "measured tables" in captured.out
+    assert "calibration measured up to 64" in captured.err  # 256 requests per step: beyond
+    # Another model on the same device: the fitted curves, in float32, same KV bytes.
+    rc = main(["simulate", "--calibration", str(path), "--model", "llama-3.1-8b",
+               "--max-num-seqs", "64", "--num-requests", "10", "--request-rate", "4",
+               "--prompt-len", "16:64", "--output-len", "4:8", "--json", str(out),
+               "--no-progress"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "curves fitted to it, float32" in captured.out
+    assert "warning" not in captured.err
+    kv = 16 * 30 * 2 * 3 * 64 * 4 * 4000 // (16 * 32 * 2 * 8 * 128 * 4)
+    assert json.loads(out.read_text())["config"]["cache"]["num_gpu_blocks"] == kv
+    for extra, needle in ((["--gpu", "h100"], "give one"),
+                          (["-tp", "2"], "--tensor-parallel-size must be 1")):
+        assert main(["simulate", "--calibration", str(path), "--num-requests", "5", *extra]) == 2
+        assert needle in capsys.readouterr().err

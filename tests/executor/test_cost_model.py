@@ -109,7 +109,12 @@ def test_measured_tables_replace_per_token_and_per_request_terms() -> None:
     assert parts["gemm"] == pytest.approx(2.0 + 3.0 * 6 / 12)
     assert parts["lm_head"] == pytest.approx(0.1 + 0.7 * 2 / 7)
     assert parts["norm"] == parts["rope"] == parts["sampling"] == 0.0
-    assert tables.token_time(32) == pytest.approx(5.0 + 3.0 / 12 * 16)  # extrapolated
+    # Beyond the table: the least-squares slope of its upper half (all three points here).
+    slope = 33 / 126  # x - x̄ = -6, -3, 9; y - ȳ = -5/3, -2/3, 7/3
+    assert tables.token_time(32) == pytest.approx(5.0 + slope * 16)
+    noisy = StepTables(tokens=(1, 2, 4, 8), token_time_s=(1.0, 2.0, 4.0, 3.9),
+                       seqs=(1, 2), seq_time_s=(1.0, 1.0))
+    assert noisy.token_time(16) > 3.9  # a flat last segment does not flatten the rest
     assert tables.token_time(4) == 2.0
 
 

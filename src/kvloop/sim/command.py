@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
 from kvloop.cli_args import add_scheduler_args
 from kvloop.config import CacheConfig, SchedulerConfig
@@ -22,6 +23,7 @@ from kvloop.executor.simulated import (
     num_gpu_blocks,
 )
 from kvloop.executor.simulated.calibration import Calibration
+from kvloop.executor.simulated.tables import StepTables
 from kvloop.sim.driver import simulate
 from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.sim.traces import SHIPPED_TRACES, load_trace
@@ -37,10 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help=f"preset ({', '.join(MODEL_PRESETS)}) or path to a HF config.json "
                    "(default: llama-3.1-8b, or the profiled model with --calibration)")
-    p.add_argument("--gpu", default="h100",
+    p.add_argument("--gpu", default=None,
                    help=f"preset ({', '.join(HARDWARE_PRESETS)}) or a JSON hardware spec "
-                   "(default: %(default)s)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+                   "(default: h100; not with --calibration)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs per replica (default: %(default)s)")
     p.add_argument("--engine-overhead", default=None, metavar="NAME|SECONDS",
                    help="per-step engine cost: vllm (default with --gpu), kvloop, none, or "
                    "seconds per step (default with --calibration: the measured one)")
@@ -157,16 +160,34 @@ def build_cost_model(
     """The cost model the flags ask for, and a line saying what it rests on."""
     tp = args.tensor_parallel_size
     if cal is not None:
+        if args.gpu is not None:
+            raise ValueError("--gpu and --calibration both name the device: give one")
+        if tp != 1:
+            raise ValueError("a calibration measures one device: --tensor-parallel-size "
+                             "must be 1 with --calibration")
         overhead = (engine_overhead(args.engine_overhead) if args.engine_overhead
                     else cal.overhead)
         cost = cal.cost_model(model, tp, overhead)
-        how = "measured tables" if cost.tables else "the curves fitted to it"
-        return cost, f"calibration {args.calibration} ({cal.device_name}, {how})"
-    hw = get_hardware_spec(args.gpu)
+        how = "measured tables" if cost.tables else f"curves fitted to it, {cal.dtype}"
+        name = args.engine_overhead or "measured"
+        return cost, (f"calibration {args.calibration}: {cal.device_name}, {how}; "
+                      f"{name} engine overhead")
+    hw = get_hardware_spec(args.gpu or "h100")
     overhead = engine_overhead(args.engine_overhead or "vllm")
     cost = CostModel(model, hw, tp=tp, overhead=overhead)
     name = args.engine_overhead or "vllm"
     return cost, f"{hw.name}, {cost.efficiency.source.split(' (')[0]}; {name} engine overhead"
+
+
+def warn_beyond(tables: StepTables, sched: SchedulerConfig) -> None:
+    """Say so when steps may be larger than the calibration measured (costs extrapolate)."""
+    for what, limit, measured, flag in (
+        ("tokens", sched.max_num_batched_tokens, tables.tokens[-1], "--max-num-batched-tokens"),
+        ("requests", sched.max_num_seqs, tables.seqs[-1], "--max-num-seqs"),
+    ):
+        if limit > measured:
+            print(f"kvloop: warning: steps of up to {limit} {what} ({flag}) but the calibration "
+                  f"measured up to {measured}; larger steps are extrapolated", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         model = cal.model if cal is not None else get_model_spec("llama-3.1-8b")
     else:
         model = get_model_spec(args.model)
+    if cal is not None and model.dtype_bytes != cal.model.dtype_bytes:
+        # NOTE: another model on the profiled device runs at the profiled dtype.
+        model = replace(model, dtype_bytes=cal.model.dtype_bytes)
     cost, basis = build_cost_model(args, model, cal)
     hw = cost.hw
     if cal is not None and args.num_gpu_blocks is None:
@@ -183,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         args.num_gpu_blocks = max(1, budget // model.kv_block_bytes(args.block_size,
                                                                     args.tensor_parallel_size))
     sched, cache = build_configs(args, model, hw)
+    if cost.tables is not None:
+        warn_beyond(cost.tables, sched)
     workload = build_workload(args)
     check_fits(workload, sched, cache)
     sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
@@ -207,10 +233,11 @@ def run(args: argparse.Namespace) -> int:
     }
     s = m["scheduler"]
     extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
-    print(f"kvloop simulate: {model.name} on {hw.name} × {args.tensor_parallel_size}, "
+    tp = args.tensor_parallel_size
+    print(f"kvloop simulate: {model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
     o = cost.overhead
-    print(f"cost model: {basis} ({o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request)")
+    print(f"cost model: {basis}: {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request")
     print(format_table(m, extra))
     if args.json:
         with open(args.json, "w") as f:

@@ -10,13 +10,26 @@ import math
 from dataclasses import dataclass
 
 
+def _slope(xs: tuple[int, ...], ys: tuple[float, ...]) -> float:
+    """Least-squares slope of the upper half of the points (at least three when there
+    are), never below 0: one noisy last point must not bend what lies beyond the table."""
+    n = min(len(xs), max(3, (len(xs) + 1) // 2))
+    px, py = xs[-n:], ys[-n:]
+    mx, my = sum(px) / n, sum(py) / n
+    var = sum((x - mx) ** 2 for x in px)
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(px, py, strict=True)) / var)
+
+
 def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
-    """Piecewise-linear through (xs, ys); linear extrapolation from the two end points on
-    either side (never below 0)."""
+    """Piecewise-linear through (xs, ys); beyond the last point the upper half's
+    least-squares slope from the last point; below the first, the first segment's slope
+    (never below 0)."""
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return ys[i]
-    i = min(max(i, 1), len(xs) - 1)
+    if i >= len(xs):
+        return ys[-1] + _slope(xs, ys) * (x - xs[-1])
+    i = max(i, 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 

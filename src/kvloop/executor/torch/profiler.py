@@ -1,6 +1,6 @@
 """``kvloop profile``'s measurements: the torch executor timed piece by piece on this device.
 
-What is timed (each the median of a few runs after a warm-up; CUDA synchronised):
+What is timed (each the mean of a few runs after a warm-up; CUDA synchronised):
 
 1. per-token work at T tokens: the model's forward pass with attention stubbed out (every
    layer's GEMMs on the real weights, norms, RoPE, activation, residual adds, embedding);
@@ -98,7 +98,10 @@ class _Timer:
             torch.cuda.synchronize(self.device)
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        """Median seconds of ``fn`` (one warm-up, then repeats within the budget)."""
+        """Mean seconds of ``fn`` (one warm-up, then repeats within the budget).
+
+        NOTE: the mean, not the median: a served step pays its rare slow runs (allocator,
+        interrupts, neighbours on a shared machine) and the simulator predicts throughput."""
         fn()
         self.sync()
         runs: list[float] = []
@@ -111,7 +114,7 @@ class _Timer:
             dt = time.perf_counter() - start
             runs.append(dt)
             spent += dt
-        return statistics.median(runs)
+        return statistics.fmean(runs)
 
 
 def _powers(limit: int) -> list[int]:
@@ -260,7 +263,7 @@ class Profiler:
 
     # -- 5: whole runner steps ---------------------------------------------------------
     def runner_step(self, decode_ctx: list[int], chunks: list[tuple[int, int]]) -> float:
-        """Median seconds of ``runner.execute`` for a steady-state step: requests decoding
+        """Mean seconds of ``runner.execute`` for a steady-state step: requests decoding
         at the given contexts (admitted beforehand, untimed) plus fresh prefill chunks."""
         slack = 64
         runner = self.runner
@@ -308,7 +311,7 @@ class _NullExecutor:
 
 
 def engine_loop_time(batch: int, steps: int, tokenizer: Any | None, block_size: int) -> float:
-    """Median seconds of one ``LLMEngine.step`` with ``batch`` running decodes over a null
+    """Mean seconds of one ``LLMEngine.step`` with ``batch`` running decodes over a null
     executor: the scheduler and the engine's output handling, nothing else."""
     from kvloop.engine.llm_engine import LLMEngine
 
@@ -327,7 +330,7 @@ def engine_loop_time(batch: int, steps: int, tokenizer: Any | None, block_size: 
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def plan(
@@ -356,7 +359,7 @@ def plan(
         for c in [c for c in contexts if prof.fits(b, c)]:
             add(f"decode attention, {b} x {c}",
                 lambda b=b, c=c: m.decode_attention.append(prof.decode_attention(b, c)))
-    for c in [c for c in (16, 64, 256, 1024) if c <= max_t]:
+    for c in sorted({c for c in (16, 64, 256, 1024, max_t) if 2 <= c <= max_t}):
         for p in (0, 256, 1024):
             if c + p <= prof.max_context:
                 add(f"prefill attention, {c} after {p}",
@@ -370,6 +373,8 @@ def plan(
             layouts.append((256, [(chunk, 0)]))
             if b in (4, 16) and prefix > 0:
                 layouts.append((256, [(max(2, chunk // 2), prefix)]))
+            if b in (8, 32) and max_t - b > chunk:  # a full step: decodes + a big chunk
+                layouts.append((256, [(min(max_t - b, prof.max_context // 2), 0)]))
         for base, chunks in layouts:
             extra = sum(c + p for c, p in chunks)
             if base > prof.max_context or not prof.fits(b, base, extra):
