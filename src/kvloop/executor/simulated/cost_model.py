@@ -157,15 +157,15 @@ class CostModel:
     def _seq_terms(self, s: int) -> tuple[float, float]:
         """(lm_head, sampling) at S = s."""
         terms = self._by_seqs.get(s)
-        if terms is None and self.tables is not None:
-            terms = (self.tables.seq_time(s), 0.0)
-            self._by_seqs[s] = terms
-        elif terms is None:
-            lm_head = self._gemm(s, self._vocab_r, self.model.hidden_size)
-            sampling = self.efficiency.activation.time(
-                3 * s * self.model.vocab_size * 4, self.hw.mem_bandwidth
-            )
-            terms = (lm_head, sampling)
+        if terms is None:
+            if self.tables is not None:
+                terms = (self.tables.seq_time(s), 0.0)
+            else:
+                lm_head = self._gemm(s, self._vocab_r, self.model.hidden_size)
+                sampling = self.efficiency.activation.time(
+                    3 * s * self.model.vocab_size * 4, self.hw.mem_bandwidth
+                )
+                terms = (lm_head, sampling)
             self._by_seqs[s] = terms
         return terms
 

@@ -62,9 +62,9 @@ class ProfileSettings:
     """Largest decode batch measured."""
     max_context: int = 2048
     """Longest context measured (capped at the model's max length)."""
-    budget_s: float = 0.25
+    budget_s: float = 0.6
     """Seconds spent repeating one measurement (at least ``min_runs`` runs)."""
-    min_runs: int = 3
+    min_runs: int = 5
     """Fewest timed runs per measurement (after one warm-up)."""
     engine_steps: int = 60
     """Engine-loop steps timed per batch size."""
