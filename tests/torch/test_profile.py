@@ -29,12 +29,15 @@ def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, 
     raw = cal.measurements
     assert raw["decode_attention"] and raw["prefill_attention"] and raw["runner_steps"]
     assert raw["engine_loop"]
-    # The profiled model's own steps cost what was measured, within the fit's noise.
+    # The profiled model's own steps cost what was measured, within the fit's noise (a
+    # shared CI machine can stall any one timing, so: the typical step and the total).
     cm = cal.cost_model()
-    for step in raw["runner_steps"]:
-        chunks = [tuple(c) for c in step["chunks"]]
-        predicted = cm.step_time(step["decodes"], step["decode_context"], chunks)
-        assert 0.3 < predicted / step["s"] < 3.0
+    steps = raw["runner_steps"]
+    predicted = [cm.step_time(s["decodes"], s["decode_context"], [tuple(c) for c in s["chunks"]])
+                 for s in steps]
+    ratios = sorted(p / s["s"] for p, s in zip(predicted, steps, strict=True))
+    assert 0.5 < ratios[len(ratios) // 2] < 2.0, ratios
+    assert 0.5 < sum(predicted) / sum(s["s"] for s in steps) < 2.0, ratios
 
     metrics = tmp_path / "m.json"
     rc = main(["simulate", "--calibration", str(out), "--num-requests", "20",
@@ -49,3 +52,10 @@ def test_profile_rejects_bad_flags(tmp_path, capsys):
     assert "--max-num-seqs must be >= 1" in capsys.readouterr().err
     assert main(["profile", "-o", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_robust_mean_drops_stalls_but_keeps_slow_runs():
+    from kvloop.executor.torch.profiler import robust_mean
+
+    assert robust_mean([1.0, 1.0, 1.0, 1.0, 50.0]) == 1.0  # a stall is not the step's cost
+    assert robust_mean([1.0, 1.0, 1.0, 2.0, 2.0]) == 1.4  # a slow run is

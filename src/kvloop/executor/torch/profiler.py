@@ -89,6 +89,17 @@ def device_name(device: torch.device) -> str:
     return f"{name}, {torch.get_num_threads()} threads"
 
 
+def robust_mean(runs: list[float]) -> float:
+    """The mean of ``runs`` without the stalls: runs over 3x the median are dropped.
+
+    NOTE: the mean, not the median: a served step pays its rare slow runs (allocator,
+    interrupts) and the simulator predicts throughput. A run 3x the median is the machine
+    stopping the process (a neighbour, a page-in), not the step's cost; one such run in five
+    would otherwise skew the fitted curves several-fold."""
+    median = statistics.median(runs)
+    return statistics.fmean(r for r in runs if r <= 3.0 * median)
+
+
 class _Timer:
     def __init__(self, device: torch.device, settings: ProfileSettings) -> None:
         self.device, self.settings = device, settings
@@ -98,10 +109,7 @@ class _Timer:
             torch.cuda.synchronize(self.device)
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        """Mean seconds of ``fn`` (one warm-up, then repeats within the budget).
-
-        NOTE: the mean, not the median: a served step pays its rare slow runs (allocator,
-        interrupts, neighbours on a shared machine) and the simulator predicts throughput."""
+        """Mean seconds of ``fn`` (one warm-up, then repeats within the budget)."""
         fn()
         self.sync()
         runs: list[float] = []
@@ -114,7 +122,7 @@ class _Timer:
             dt = time.perf_counter() - start
             runs.append(dt)
             spent += dt
-        return statistics.fmean(runs)
+        return robust_mean(runs)
 
 
 def _powers(limit: int) -> list[int]:
@@ -330,7 +338,7 @@ def engine_loop_time(batch: int, steps: int, tokenizer: Any | None, block_size: 
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.fmean(times)
+    return robust_mean(times)
 
 
 def plan(
