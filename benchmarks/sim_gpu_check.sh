@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The simulator's checks that need a CUDA GPU, as one script (a few minutes on one GPU):
+# The simulator's checks that need a CUDA GPU, as one script (under 10 minutes on one GPU;
+# each part has its own time limit, T_TESTS, T_KERNELS, T_PROFILE, T_FIDELITY seconds):
 #   1. the torch and cost-model tests on CPU and CUDA;
 #   2. benchmarks/gpu_kernel_check.py: this GPU's GEMMs and attention against the curve the
 #      simulator uses for its preset (--gpu, default h200: derived from specs, not fitted);
@@ -30,17 +31,17 @@ step "random-weight model from $src"
 $py benchmarks/random_model.py "$src" "$model" --dtype bfloat16 || exit 1
 
 step "tests: torch executor and cost model, CPU and CUDA"
-timeout 300 $py -m pytest -q -p no:cacheprovider tests/torch tests/executor 2>&1 | tail -15 | tee "$out/pytest.txt"
+timeout ${T_TESTS:-100} $py -m pytest -q -p no:cacheprovider tests/torch tests/executor 2>&1 | tail -15 | tee "$out/pytest.txt"
 
 step "kernel curves on this GPU vs the '$gpu' preset"
-timeout 180 $py benchmarks/gpu_kernel_check.py --gpu "$gpu" --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
+timeout ${T_KERNELS:-90} $py benchmarks/gpu_kernel_check.py --gpu "$gpu" --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt"
 
 step "kvloop profile on $device"
-timeout 300 $py -m kvloop.cli profile --model "$model" --device "$device" --no-progress \
+timeout ${T_PROFILE:-150} $py -m kvloop.cli profile --model "$model" --device "$device" --no-progress \
     -o "$out/calibration.json" 2>&1 | tee "$out/profile.txt"
 
 step "self-validation on $device"
-timeout 420 $py benchmarks/sim_fidelity.py --model "$model" --device "$device" \
+timeout ${T_FIDELITY:-200} $py benchmarks/sim_fidelity.py --model "$model" --device "$device" \
     --calibration "$out/calibration.json" --num-requests "${NUM_REQUESTS:-200}" \
     --request-rate "${REQUEST_RATE:-8}" --scale "${SCALE:-0.5}" \
     --max-num-seqs 128 --max-num-batched-tokens 2048 \
