@@ -120,3 +120,25 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on():
     e.add_request("b", [1, 2, 3], SamplingParams(max_tokens=5))
     done = _drain(e)
     assert done["b"].finish_reason == "length"
+
+
+def test_step_outputs_are_deltas_and_the_final_one_is_whole():
+    e = _engine()
+    prompt = list(range(1, 40))
+    e.add_request("r", prompt, SamplingParams(max_tokens=9, ignore_eos=True))
+    seen: list[int] = []
+    final = None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            seen.extend(out.new_token_ids)
+            assert out.num_output_tokens == len(seen) and out.num_prompt_tokens == len(prompt)
+            if out.finished:
+                final = out
+            else:  # NOTE: no per-step copy of the prompt or the output so far
+                assert out.token_ids is None and out.prompt_token_ids is None
+                assert out.text is None and out.metrics is None and out.logprobs is None
+                snap = e.snapshot("r")
+                assert snap.token_ids == seen and snap.prompt_token_ids == prompt
+    assert final is not None and final.token_ids == seen and len(seen) == 9
+    assert final.prompt_token_ids == prompt
+    assert final.metrics is not None and e.snapshot("r") is None

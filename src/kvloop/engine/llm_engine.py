@@ -25,7 +25,7 @@ from kvloop.sampling_params import SamplingParams
 logger = logging.getLogger("kvloop.engine")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     """Engine-side state of one request: its detokenizer and what was already reported."""
 
@@ -33,10 +33,10 @@ class _Tracked:
     prompt: str | None
     detokenizer: Any | None
     num_reported: int = 0
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
+    """Text deltas so far (joined once, in the final output)."""
     logprobs: list[dict[int, float]] | None = None
     stopped_by_string: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -187,7 +187,15 @@ class LLMEngine:
         if tracked is None:
             return None
         self.scheduler.abort_request(request_id)
-        return self._output(tracked, "", [])
+        return self._final(tracked, [], "", None)
+
+    def snapshot(self, request_id: str) -> RequestOutput | None:
+        """The cumulative state of an unfinished request (None if unknown): what a caller
+        gets only on request, since steps report deltas."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        return self._final(tracked, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
@@ -207,26 +215,26 @@ class LLMEngine:
                 logger.exception("model step failed; failing the requests of that step")
                 self._logged_failure = True
             failed = self.scheduler.abandon_step(out, f"model step failed: {exc!r}")
-            return [
-                self._progress(self._tracked[r.request_id], r)
-                for r in failed
-                if r.request_id in self._tracked
-            ]
+            tracked = self._tracked
+            return [self._progress(tracked[r.request_id], r, None)
+                    for r in failed if r.request_id in tracked]
         touched = self.scheduler.update_from_output(out, result)
+        logprobs = result.logprobs
+        tracked = self._tracked
+        progress = self._progress
         outputs = []
-        logprobs = result.logprobs or {}
         for req in touched:
-            tracked = self._tracked.get(req.request_id)
-            if tracked is None:
-                continue
-            if tracked.logprobs is not None:
-                tracked.logprobs.extend(logprobs.get(req.request_id, ()))
-            outputs.append(self._progress(tracked, req))
+            t = tracked.get(req.request_id)
+            if t is not None:
+                outputs.append(progress(t, req, logprobs.get(req.request_id) if logprobs else None))
         return outputs
 
-    def _progress(self, tracked: _Tracked, req: Request) -> RequestOutput:
-        new_ids = req.output_token_ids[tracked.num_reported :]
-        tracked.num_reported = len(req.output_token_ids)
+    def _progress(
+        self, tracked: _Tracked, req: Request, new_logprobs: list[dict[int, float]] | None
+    ) -> RequestOutput:
+        ids = req.output_token_ids
+        new_ids = ids[tracked.num_reported:]
+        tracked.num_reported = len(ids)
         delta = ""
         detok = tracked.detokenizer
         if detok is not None:
@@ -236,25 +244,41 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished and not tracked.stopped_by_string:
                 delta += detok.flush()
-            tracked.text += delta
+            if delta:
+                tracked.pieces.append(delta)
+        if tracked.logprobs is not None:
+            new_logprobs = list(new_logprobs or ())
+            tracked.logprobs.extend(new_logprobs)
         if req.is_finished:
             del self._tracked[req.request_id]
-        return self._output(tracked, delta, new_ids)
+            return self._final(tracked, new_ids, delta, new_logprobs)
+        return RequestOutput(req.request_id, new_ids, delta, new_logprobs,
+                             req.num_prompt_tokens, len(ids), False)
 
-    def _output(self, tracked: _Tracked, delta: str, new_ids: list[int]) -> RequestOutput:
+    def _final(
+        self,
+        tracked: _Tracked,
+        new_ids: list[int],
+        delta: str,
+        new_logprobs: list[dict[int, float]] | None,
+    ) -> RequestOutput:
+        """An output with the cumulative fields filled (a finished request, a snapshot)."""
         req = tracked.request
         reason = req.finish_reason
         return RequestOutput(
             request_id=req.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            text=tracked.text,
-            token_ids=list(req.output_token_ids),
+            new_token_ids=new_ids,
+            new_text=delta,
+            new_logprobs=new_logprobs if tracked.logprobs is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
             finished=req.is_finished,
             finish_reason=reason.value if reason is not None else None,
-            new_text=delta,
-            new_token_ids=list(new_ids),
-            logprobs=tracked.logprobs,
             error=req.error,
+            prompt=tracked.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            text="".join(tracked.pieces),
+            token_ids=list(req.output_token_ids),
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
             metrics=RequestMetrics.of(req),
         )

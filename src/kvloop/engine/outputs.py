@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvloop.core.request import Request
 
@@ -47,23 +47,41 @@ class RequestMetrics:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """The state of one request after a step (cumulative, plus what this step added)."""
+    """One request's progress in one step: what the step added, and counts.
+
+    NOTE: a step's output is a delta, so the engine's cost per request per step does not
+    grow with the prompt or the output so far. The cumulative fields (``prompt_token_ids``,
+    ``text``, ``token_ids``, ``logprobs``, ``metrics``) are filled only on the final output
+    (``finished``) and by ``LLMEngine.snapshot``; they are None on every other output.
+    """
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    """Output text so far (stop strings removed)."""
-    token_ids: list[int]
+    new_token_ids: list[int]
+    """Token ids sampled in this step."""
+    new_text: str
+    """Text added by this step (for streaming; may be empty while characters or a stop
+    string are still forming)."""
+    new_logprobs: list[dict[int, float]] | None
+    """Per new token, token id -> log-probability of the top-n and the sampled token (None
+    unless the request asked for logprobs)."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    """Output tokens so far, this step's included."""
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None = None
     """``stop``, ``length``, ``abort`` or ``error``."""
-    new_text: str = ""
-    """Text added by this step (for streaming)."""
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
-    """Per output token, token id -> log-probability of the top-n and the sampled token."""
     error: str | None = None
+    prompt: str | None = None
+    """The prompt text, if it was given as text (final output only)."""
+    prompt_token_ids: list[int] | None = None
+    """Final output only."""
+    text: str | None = None
+    """The whole output text, stop strings removed (final output only)."""
+    token_ids: list[int] | None = None
+    """Every output token id (final output only)."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per output token (final output only, when asked for)."""
     metrics: RequestMetrics | None = None
+    """Timing of the request (final output only)."""

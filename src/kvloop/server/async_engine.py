@@ -234,11 +234,6 @@ class AsyncEngine:
         metrics = self.metrics
         now = time.monotonic()
         for out in outputs:
-            if out.logprobs is not None:
-                # NOTE: the engine extends this same list on later steps, on this thread; the
-                # event loop gets its own slice of the new tokens' entries only.
-                n = len(out.new_token_ids)
-                out.logprobs = out.logprobs[len(out.logprobs) - n:] if n else []
             if metrics is not None:
                 metrics.observe_output(out, now)
             if out.finished:

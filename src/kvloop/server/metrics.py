@@ -103,7 +103,7 @@ class ServerMetrics:
         if n:
             last = self._last_token_time.get(rid)
             if last is None:
-                num_prompt = len(out.prompt_token_ids)
+                num_prompt = out.num_prompt_tokens
                 self.prompt_tokens.inc(num_prompt)
                 self.totals.prompt_tokens += num_prompt
             else:

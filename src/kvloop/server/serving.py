@@ -202,9 +202,9 @@ class OpenAIServing:
         try:
             async for out in stream:
                 last = out
-                if job.num_top is not None and out.logprobs:
+                if job.num_top is not None and out.new_logprobs:
                     token_ids.extend(out.new_token_ids)
-                    entries.extend(out.logprobs)
+                    entries.extend(out.new_logprobs)
         except RequestAbortedError as exc:
             raise APIError(exc.status, f"request aborted: {exc}") from None
         except ValueError as exc:
@@ -215,15 +215,15 @@ class OpenAIServing:
         if last.finish_reason == "error":
             raise APIError(500, last.error or "the model step failed")
         lp = None
-        n_prompt, n_out = len(last.prompt_token_ids), len(last.token_ids)
+        n_prompt, n_out = last.num_prompt_tokens, last.num_output_tokens
         if job.chat:
             if job.num_top is not None:
                 lp = fmt.chat_logprobs(self._decode, job.num_top, token_ids, entries)
-            return fmt.chat_body(job.request_id, job.created, self.model_name, last.text,
+            return fmt.chat_body(job.request_id, job.created, self.model_name, last.text or "",
                                  last.finish_reason, lp, n_prompt, n_out)
         if job.num_top is not None:
             lp = fmt.CompletionLogprobs(self._decode, job.num_top).build(token_ids, entries)
-        return fmt.completion_body(job.request_id, job.created, self.model_name, last.text,
+        return fmt.completion_body(job.request_id, job.created, self.model_name, last.text or "",
                                    last.finish_reason, lp, n_prompt, n_out)
 
     async def stream(self, job: Job, stream: RequestStream) -> AsyncIterator[str]:
@@ -236,7 +236,7 @@ class OpenAIServing:
                 yield fmt.sse(fmt.chat_chunk(rid, created, model,
                                              {"role": "assistant", "content": ""}, None, None))
             async for out in stream:
-                n_out = len(out.token_ids)
+                n_out = out.num_output_tokens
                 if out.finish_reason == "error":
                     yield fmt.sse(error_body(500, out.error or "the model step failed"))
                     break
@@ -249,8 +249,8 @@ class OpenAIServing:
                 lp = None
                 if job.num_top is not None:
                     lp = (fmt.chat_logprobs(self._decode, job.num_top, out.new_token_ids,
-                                            out.logprobs or []) if job.chat else
-                          comp_lp.build(out.new_token_ids, out.logprobs or []))
+                                            out.new_logprobs or []) if job.chat else
+                          comp_lp.build(out.new_token_ids, out.new_logprobs or []))
                 if job.chat:
                     delta = {"content": out.new_text} if out.new_text or reason is None else {}
                     chunk = fmt.chat_chunk(rid, created, model, delta, reason, lp)
