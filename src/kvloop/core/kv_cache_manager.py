@@ -27,12 +27,6 @@ class KVCacheManager:
         self.cpu_free: list[int] = list(range(cache_config.num_cpu_blocks - 1, -1, -1))
         self.swapped_blocks: dict[str, list[int]] = {}
         """Host block table per swapped-out request."""
-        # Prefix-cache counters in tokens, kept by the scheduler at admission: first
-        # admissions, and readmissions after a recompute preemption.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.recompute_queries = 0
-        self.recompute_hits = 0
 
     # -- sizes -----------------------------------------------------------------------
     @property

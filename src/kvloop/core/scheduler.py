@@ -340,13 +340,12 @@ class Scheduler:
     ) -> None:
         rid = req.request_id
         if req.num_preemptions == 0:
-            self.kv.prefix_queries += req.num_tokens
-            self.kv.prefix_hits += num_hit
+            self.stats.prefix_cache_queries += req.num_tokens
+            self.stats.prefix_cache_hits += num_hit
             b.prefix_queries += req.num_tokens
             b.prefix_hits += num_hit
         else:
-            self.kv.recompute_queries += req.num_tokens
-            self.kv.recompute_hits += num_hit
+            self.stats.recompute_prefix_hits += num_hit
             recomputed = max(0, req.num_tokens - 1 - num_hit)
             req.num_recomputed_tokens += recomputed
             self.stats.num_recomputed_tokens += recomputed

@@ -112,6 +112,12 @@ class SchedulerStats:
     kv_usage_peak: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache at first admissions."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
+    recompute_prefix_hits: int = 0
+    """Tokens found cached when a recompute-preempted request was readmitted."""
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property

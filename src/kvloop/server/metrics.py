@@ -137,7 +137,7 @@ class ServerMetrics:
 
     def observe_step(self, scheduler: Any) -> None:
         """After a completed step: per-step tokens and the scheduler's cumulative counters."""
-        st, kv, t = scheduler.stats, scheduler.kv, self.totals
+        st, t = scheduler.stats, self.totals
         tokens = st.num_prompt_tokens + st.num_generation_tokens
         if tokens > self._step_tokens:
             self.iteration_tokens.observe(tokens - self._step_tokens)
@@ -145,12 +145,12 @@ class ServerMetrics:
         if st.num_preemptions > t.num_preemptions:
             self.preemptions.inc(st.num_preemptions - t.num_preemptions)
             t.num_preemptions = st.num_preemptions
-        if kv.prefix_queries > t.prefix_queries:
-            self.prefix_queries.inc(kv.prefix_queries - t.prefix_queries)
-            t.prefix_queries = kv.prefix_queries
-        if kv.prefix_hits > t.prefix_hits:
-            self.prefix_hits.inc(kv.prefix_hits - t.prefix_hits)
-            t.prefix_hits = kv.prefix_hits
+        if st.prefix_cache_queries > t.prefix_queries:
+            self.prefix_queries.inc(st.prefix_cache_queries - t.prefix_queries)
+            t.prefix_queries = st.prefix_cache_queries
+        if st.prefix_cache_hits > t.prefix_hits:
+            self.prefix_hits.inc(st.prefix_cache_hits - t.prefix_hits)
+            t.prefix_hits = st.prefix_cache_hits
 
     def observe_state(self, scheduler: Any) -> None:
         """Queue lengths and KV usage, after every step and every batch of commands."""

@@ -1,8 +1,8 @@
 """Discrete-event simulation: the real scheduler on a virtual clock with a cost model.
 
 Arrivals enter at their times, each step advances the clock by the predicted step time,
-and idle gaps are skipped. Because the scheduler is the very one the engine serves with,
-the simulation cannot drift from the real loop.
+and idle gaps are skipped. Each step is ``kvloop.core.loop.run_step`` with the scheduler the
+engine serves with, so the simulation runs the engine's loop, not a copy of it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
+from kvloop.core.loop import run_step
 from kvloop.core.request import Request
 from kvloop.core.scheduler import Scheduler
 from kvloop.core.stats import StepRecorder
@@ -33,6 +35,26 @@ class VirtualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def _ran(out: SchedulerOutput) -> bool:
+    """Whether a step did any work (tokens or swap-outs); an empty step takes no time."""
+    return out.total_num_scheduled_tokens > 0 or bool(out.blocks_to_swap_out)
+
+
+class _ClockedExecutor:
+    """The simulated executor on a virtual clock: a step that ran advances the clock by its
+    predicted time before the scheduler applies its results, so tokens carry the step's end."""
+
+    def __init__(self, executor: SimulatedExecutor, clock: VirtualClock) -> None:
+        self.executor = executor
+        self.clock = clock
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        result = self.executor.execute(scheduler_output)
+        if _ran(scheduler_output):
+            self.clock.now += result.step_time_s
+        return result
 
 
 @dataclass
@@ -59,10 +81,11 @@ def scheduler_summary(scheduler: Scheduler) -> dict[str, Any]:
         "recomputed_tokens": st.num_recomputed_tokens,
         "swapped_out_blocks": st.num_blocks_swapped_out,
         "swapped_in_blocks": st.num_blocks_swapped_in,
-        "prefix_cache_queries": kv.prefix_queries,
-        "prefix_cache_hits": kv.prefix_hits,
-        "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
-        "recompute_prefix_hits": kv.recompute_hits,
+        "prefix_cache_queries": st.prefix_cache_queries,
+        "prefix_cache_hits": st.prefix_cache_hits,
+        "prefix_cache_hit_rate": (st.prefix_cache_hits / st.prefix_cache_queries
+                                  if st.prefix_cache_queries else 0.0),
+        "recompute_prefix_hits": st.recompute_prefix_hits,
         "kv_usage_mean": st.kv_usage_mean,
         "kv_usage_peak": st.kv_usage_peak,
         "num_gpu_blocks": kv.num_gpu_blocks,
@@ -96,15 +119,11 @@ def simulate(
     started = time.perf_counter()
     clock = VirtualClock()
     scheduler = Scheduler(scheduler_config, cache_config, clock=clock, recorder=recorder)
-    executor = SimulatedExecutor(cost_model, cache_config.block_size)
+    executor = _ClockedExecutor(SimulatedExecutor(cost_model, cache_config.block_size), clock)
     requests = sorted((to_request(w) for w in workload), key=lambda r: r.arrival_time)
     n = len(requests)
     i = 0
     bar = tqdm(total=n, disable=not progress, unit="req", mininterval=0.5, leave=False)
-    done = 0
-    schedule = scheduler.schedule
-    execute = executor.execute
-    update = scheduler.update_from_output
     while i < n or scheduler.requests:
         while i < n and requests[i].arrival_time <= clock.now:
             scheduler.add_request(requests[i])
@@ -113,23 +132,18 @@ def simulate(
             if i < n:
                 clock.now = requests[i].arrival_time  # skip the idle gap
             continue
-        out = schedule()
-        result = execute(out)
-        if out.total_num_scheduled_tokens == 0 and not out.blocks_to_swap_out:
+        unfinished = len(scheduler.requests)
+        step = run_step(scheduler, executor)
+        if step.error is not None:
+            raise step.error  # a simulated step cannot fail: this is a bug, not a fault
+        if progress:
+            bar.update(unfinished - len(scheduler.requests))
+        if not _ran(step.scheduler_output):
             # Nothing could run (e.g. everything waits on memory held by nobody): only
             # arrivals can change that, so jump to the next one.
-            update(out, result)
             if i >= n:
                 raise RuntimeError("simulation stalled with work left and no arrivals")
             clock.now = max(clock.now, requests[i].arrival_time)
-            continue
-        clock.now += result.step_time_s
-        finished_before = len(scheduler.requests)
-        update(out, result)
-        if progress:
-            newly = finished_before - len(scheduler.requests)
-            done += newly
-            bar.update(newly)
     bar.close()
     metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     metrics["scheduler"] = scheduler_summary(scheduler)
