@@ -12,6 +12,7 @@ from kvloop.core.interface import (
     SchedulerOutput,
 )
 from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.loop import StepResult, run_step
 from kvloop.core.policy import POLICIES, Policy, get_policy
 from kvloop.core.request import FinishReason, Request, RequestStatus
 from kvloop.core.scheduler import Scheduler
@@ -37,6 +38,8 @@ __all__ = [
     "SchedulerStats",
     "StepRecord",
     "StepRecorder",
+    "StepResult",
     "get_policy",
     "read_jsonl",
+    "run_step",
 ]
