@@ -9,7 +9,8 @@ from kvloop.config import CacheConfig, SchedulerConfig
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """What ``LLM(...)``, ``kvloop generate`` and ``kvloop serve`` accept."""
+    """What ``LLM(...)``, ``kvloop generate`` and ``kvloop serve`` accept (``kvloop simulate``
+    takes the scheduler and KV-cache fields)."""
 
     model: str = "default"
     """``default`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face folder, or a
@@ -60,7 +61,11 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)  # type: ignore[arg-type]
 
+    # NOTE: the one derivation of the scheduler and cache configs: ``LLMEngine.from_args``
+    # and ``kvloop simulate`` both call these; the executor (model runner or simulated
+    # device) supplies only the model's length limit and the block counts.
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's config for a model that takes ``max_model_len`` tokens."""
         budget = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             budget = max(budget, max_model_len)
@@ -77,6 +82,7 @@ class EngineArgs:
         )
 
     def cache_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheConfig:
+        """The KV cache's config for the block counts the executor has room for."""
         return CacheConfig(
             block_size=self.block_size,
             num_gpu_blocks=num_gpu_blocks,

@@ -1,4 +1,5 @@
-"""``kvloop`` command line: one subcommand per module, registered in ``COMMANDS``.
+"""``kvloop`` command line: one subcommand per module of ``kvloop.cli``, registered in
+``COMMANDS``.
 
 Bad input (an unknown preset, a malformed trace, an impossible config) prints one line,
 ``kvloop: error: ...``, and exits with code 2; never a traceback.
@@ -10,21 +11,21 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from kvloop.bench import command as bench_command
-from kvloop.engine import command as generate_command
-from kvloop.server import command as serve_command
-from kvloop.sim import command as simulate_command
-from kvloop.sim import profile_command
-from kvloop.viz import command as trace_command
+from kvloop.cli.bench import register as register_bench
+from kvloop.cli.generate import register as register_generate
+from kvloop.cli.profile import register as register_profile
+from kvloop.cli.serve import register as register_serve
+from kvloop.cli.simulate import register as register_simulate
+from kvloop.cli.trace import register as register_trace
 
 Register = Callable[[argparse._SubParsersAction], None]
 COMMANDS: list[Register] = [
-    bench_command.register,
-    generate_command.register,
-    profile_command.register,
-    serve_command.register,
-    simulate_command.register,
-    trace_command.register,
+    register_bench,
+    register_generate,
+    register_profile,
+    register_serve,
+    register_simulate,
+    register_trace,
 ]
 
 
@@ -48,7 +49,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

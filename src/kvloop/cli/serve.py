@@ -7,7 +7,7 @@ import argparse
 import logging
 from typing import IO
 
-from kvloop.cli_args import add_model_args, engine_args_from
+from kvloop.cli.args import add_model_args, engine_args_from
 
 RESPONSE_FLUSH_S = 5
 """After the drain, how long uvicorn may take to send the last responses."""

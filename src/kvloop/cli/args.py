@@ -1,4 +1,7 @@
-"""Command-line flags shared by ``simulate``, ``generate`` and ``serve``: vLLM's names."""
+"""Command-line flags shared by ``simulate``, ``generate`` and ``serve``: vLLM's names.
+
+They map onto ``EngineArgs`` fields, which derive the scheduler and cache configs for the
+engine and the simulator alike."""
 
 from __future__ import annotations
 
@@ -95,3 +98,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags (only the fields the parser defined)."""
     names = {f for f in EngineArgs.__dataclass_fields__ if hasattr(args, f)}
     return EngineArgs(**{n: getattr(args, n) for n in names})
+
+
+def scheduler_args_from(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from the ``add_scheduler_args`` flags alone (the simulator's ``--model``
+    and ``--seed`` name a model preset and a workload seed, not an engine's)."""
+    return EngineArgs(**{n: getattr(args, n) for n in _SCHEDULER_FLAGS})

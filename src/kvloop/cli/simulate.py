@@ -8,13 +8,15 @@ import math
 import sys
 from dataclasses import replace
 
-from kvloop.cli_args import add_scheduler_args
+from kvloop.cli.args import add_scheduler_args, scheduler_args_from
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
+from kvloop.engine.args import EngineArgs
 from kvloop.executor.simulated import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     CostModel,
+    HardwareSpec,
     ModelSpec,
     engine_overhead,
     get_hardware_spec,
@@ -77,39 +79,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_configs(args: argparse.Namespace, model, hw) -> tuple[SchedulerConfig, CacheConfig]:
-    tp = args.tensor_parallel_size
-    if args.num_gpu_blocks is not None:
-        gpu_blocks = args.num_gpu_blocks
-    else:
-        gpu_blocks = num_gpu_blocks(
-            model, hw, block_size=args.block_size, tp=tp,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
-    cpu_blocks = num_cpu_blocks(model, block_size=args.block_size, tp=tp,
-                                swap_space_gib=args.swap_space)
-    cache = CacheConfig(
-        block_size=args.block_size,
-        num_gpu_blocks=gpu_blocks,
-        num_cpu_blocks=cpu_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-    max_len = args.max_model_len or model.max_position_embeddings
-    budget = args.max_num_batched_tokens
-    if not args.enable_chunked_prefill:
-        budget = max(budget, max_len)
-    sched = SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        policy=args.scheduling_policy,
-        preemption_mode=args.preemption_mode,
-        scheduling_order=args.scheduling_order,
-    )
-    return sched, cache
+def build_configs(
+    ea: EngineArgs, model: ModelSpec, hw: HardwareSpec, tp: int
+) -> tuple[SchedulerConfig, CacheConfig]:
+    """The configs ``EngineArgs`` derives for the engine; the simulated device supplies what
+    the model runner would: the model's length limit and the KV block counts."""
+    gpu_blocks = ea.num_gpu_blocks
+    if gpu_blocks is None:
+        gpu_blocks = num_gpu_blocks(model, hw, block_size=ea.block_size, tp=tp,
+                                    gpu_memory_utilization=ea.gpu_memory_utilization)
+    cpu_blocks = num_cpu_blocks(model, block_size=ea.block_size, tp=tp,
+                                swap_space_gib=ea.swap_space)
+    max_len = ea.max_model_len or model.max_position_embeddings
+    return ea.scheduler_config(max_len), ea.cache_config(gpu_blocks, cpu_blocks)
 
 
 def build_workload(args: argparse.Namespace):
@@ -201,12 +183,13 @@ def run(args: argparse.Namespace) -> int:
         model = replace(model, dtype_bytes=cal.model.dtype_bytes)
     cost, basis = build_cost_model(args, model, cal)
     hw = cost.hw
-    if cal is not None and args.num_gpu_blocks is None:
+    tp = args.tensor_parallel_size
+    ea = scheduler_args_from(args)
+    if cal is not None and ea.num_gpu_blocks is None:
         # NOTE: the profiled runner's KV budget in bytes, in blocks of this model.
         budget = cal.num_gpu_blocks * cal.model.kv_block_bytes(cal.block_size)
-        args.num_gpu_blocks = max(1, budget // model.kv_block_bytes(args.block_size,
-                                                                    args.tensor_parallel_size))
-    sched, cache = build_configs(args, model, hw)
+        ea = replace(ea, num_gpu_blocks=max(1, budget // model.kv_block_bytes(ea.block_size, tp)))
+    sched, cache = build_configs(ea, model, hw, tp)
     if cost.tables is not None:
         warn_beyond(cost.tables, sched)
     workload = build_workload(args)
@@ -233,7 +216,6 @@ def run(args: argparse.Namespace) -> int:
     }
     s = m["scheduler"]
     extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
-    tp = args.tensor_parallel_size
     print(f"kvloop simulate: {model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
     o = cost.overhead

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvloop.cli_args import add_model_args, engine_args_from
+from kvloop.cli.args import add_model_args, engine_args_from
 from kvloop.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """``kvloop bench serve``: benchmark any OpenAI-compatible server with streaming requests.
 
 Exit codes: 0 when at least one request succeeded, 1 when every request failed (the errors
-are printed), 2 for bad flags or an unreachable server (one line, from ``kvloop.cli``).
+are printed), 2 for bad flags or an unreachable server (one line, from ``kvloop.cli.main``).
 """
 
 from __future__ import annotations
