@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import zlib
+
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core import ModelRunnerOutput, Request, Scheduler, SchedulerOutput, StepRecorder
 from kvloop.sampling_params import SamplingParams
@@ -68,10 +71,14 @@ def req(
     prompt: list[int] | None = None,
     salt: str | None = None,
 ) -> Request:
-    ids = prompt if prompt is not None else [1000 + hash(rid) % 1000 + i for i in range(prompt_len)]
+    if prompt is None:
+        # Seeded from the id by a stable hash, so prompts (and prefix hits) are the same in
+        # every process, whatever PYTHONHASHSEED is.
+        rng = random.Random(zlib.crc32(rid.encode()))
+        prompt = [rng.randrange(10_000, 50_000) for _ in range(prompt_len)]
     return Request(
         rid,
-        ids,
+        prompt,
         SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         arrival_time=arrival,
         priority=priority,

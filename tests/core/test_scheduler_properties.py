@@ -1,5 +1,10 @@
 """Property tests: random workloads against tiny pools never break the loop's invariants."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -8,7 +13,7 @@ from kvloop.core import RequestStatus
 
 _request = st.tuples(
     st.integers(0, 6),  # arrival step
-    st.integers(1, 40),  # prompt length
+    st.integers(1, 48),  # prompt length (prompt + max tokens may exceed max_model_len)
     st.integers(1, 24),  # max tokens
     st.integers(0, 3),  # priority
     st.integers(0, 2),  # shared prefix family (0: none)
@@ -24,7 +29,7 @@ def _setup(draw):
     budget = draw(st.integers(8, 80)) if chunked else draw(st.integers(64, 96))
     return dict(
         block_size=block_size,
-        num_gpu_blocks=draw(st.integers(64 // block_size, 160 // block_size)),
+        num_gpu_blocks=draw(st.integers(32 // block_size, 160 // block_size)),
         num_cpu_blocks=draw(st.integers(0, 40)),
         enable_prefix_caching=draw(st.booleans()),
         max_model_len=max_model_len,
@@ -39,6 +44,16 @@ def _setup(draw):
     )
 
 
+def _refusal(setup: dict, num_tokens: int) -> str | None:
+    """Why a request of ``num_tokens`` (prompt + max_tokens) must be refused on arrival, as
+    the text its error names; None when it can run."""
+    if num_tokens > setup["max_model_len"]:
+        return "max_model_len"
+    if -(-num_tokens // setup["block_size"]) > setup["num_gpu_blocks"]:
+        return "KV blocks"
+    return None
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=_setup(), requests=st.lists(_request, min_size=1, max_size=12))
 def test_random_workloads_drain_without_leaks(setup, requests):
@@ -46,7 +61,10 @@ def test_random_workloads_drain_without_leaks(setup, requests):
     ex = FakeExecutor()
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
     made = []
+    refusals: dict[str, str | None] = {}
     aborts: dict[int, list[str]] = {}
+    aborted: set[str] = set()
+    idle_before = False
     n = 0
     while pending or s.has_unfinished_requests():
         while pending and pending[0][1][0] <= n:
@@ -55,28 +73,47 @@ def test_random_workloads_drain_without_leaks(setup, requests):
             r = req(f"r{i}", plen, mt, priority=prio, arrival=float(n), prompt=prompt)
             s.add_request(r)
             made.append(r)
+            refusal = refusals[r.request_id] = _refusal(setup, plen + mt)
+            if refusal is None:
+                assert r.status == RequestStatus.WAITING and r.request_id in s.requests
+            else:  # refused on arrival, never queued
+                assert r.status == RequestStatus.FINISHED_ERROR and refusal in r.error
+                assert r.request_id not in s.requests
             if abort_at is not None:
                 aborts.setdefault(n + abort_at, []).append(r.request_id)
         for rid in aborts.pop(n, []):
-            s.abort_request(rid)
+            if s.abort_request(rid):  # False: refused or finished already
+                aborted.add(rid)
             s.check_invariants()
         if s.has_unfinished_requests():
+            only_swapped = bool(s.swapped) and not s.running
             out = step(s, ex)
-            if s.has_unfinished_requests() and not s.swapped:
-                # Progress: a step with waiting or running work schedules something.
-                assert out.total_num_scheduled_tokens > 0 or not s.running
+            # Progress, swapped requests included: a step with unfinished work schedules
+            # tokens unless it preempted (which frees room for the next step), so no two
+            # steps in a row are idle; and swapped work with nothing running swaps in at once.
+            idle = out.total_num_scheduled_tokens == 0
+            if idle:
+                assert out.preempted_request_ids, f"step {n} had work but did nothing"
+                assert not idle_before, f"steps {n - 1} and {n} both scheduled nothing"
+            if only_swapped:
+                assert out.blocks_to_swap_in, f"step {n}: nothing runs, yet nothing swapped in"
+            idle_before = idle
+        else:
+            idle_before = False
         n += 1
         assert n < 2000, "no progress: livelock or deadlock"
     assert s.kv.num_used_blocks == 0 and not s.kv.req_blocks
     assert len(s.kv.cpu_free) == s.kv.num_cpu_blocks
     for r in made:
-        assert r.is_finished
-        if r.status == RequestStatus.FINISHED_LENGTH:
-            assert r.num_output_tokens == r.max_tokens
-        elif r.status == RequestStatus.FINISHED_ERROR:
-            assert r.max_total_tokens > 64 or r.error
-        else:
-            assert r.status == RequestStatus.FINISHED_ABORTED
+        rid = r.request_id
+        if refusals[rid] is not None:
+            assert r.status == RequestStatus.FINISHED_ERROR and refusals[rid] in r.error, rid
+            assert r.num_output_tokens == 0
+        elif rid in aborted:
+            assert r.status == RequestStatus.FINISHED_ABORTED, rid
+        else:  # ignore_eos and the fake executor never samples a stop token
+            assert r.status == RequestStatus.FINISHED_LENGTH, (rid, r.status, r.error)
+            assert r.num_output_tokens == r.max_tokens and r.error is None
 
 
 def test_same_seed_same_step_records():
@@ -95,3 +132,21 @@ def test_same_seed_same_step_records():
         return [r.to_json() for r in s.recorder.records]
 
     assert run() == run()
+
+
+def test_prompts_are_the_same_in_every_process():
+    # Prompts must not come from hash(str), which PYTHONHASHSEED changes per process.
+    code = "from helpers import req; print(req('r0', 6, 1).prompt_token_ids)"
+    tests_dir = Path(__file__).resolve().parents[1]
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tests_dir,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert seen == {f"{req('r0', 6, 1).prompt_token_ids}\n"}

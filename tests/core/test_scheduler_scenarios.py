@@ -42,7 +42,7 @@ def test_long_prompt_chunked_while_decodes_continue():
 
 def test_partial_prefill_limit_lets_short_prompts_through():
     s = make_scheduler(
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=40,
         max_model_len=512,
         max_num_partial_prefills=2,
         long_prefill_token_threshold=16,
@@ -50,12 +50,18 @@ def test_partial_prefill_limit_lets_short_prompts_through():
     s.add_request(req("long1", 200, 1))
     s.add_request(req("long2", 200, 1))
     s.add_request(req("long3", 200, 1))
-    s.add_request(req("short", 8, 1))
+    short = req("short", 8, 1)
+    s.add_request(short)
     out = step(s)
+    # long3 must wait (2 partial prefills in flight) but the short prompt behind it fits
+    # whole: all 8 tokens in this one step, so it samples its token and is done.
+    assert out.num_scheduled_tokens == {"long1": 16, "long2": 16, "short": 8}
+    kinds = {e.request_id: e.kind for e in s.recorder.records[-1].scheduled}
+    assert kinds == {"long1": "prefill", "long2": "prefill", "short": "prefill"}
+    assert short.status == RequestStatus.FINISHED_LENGTH and short.num_output_tokens == 1
+    out = step(s)
+    # 8 tokens of budget are left, but long3 still waits: it could not finish its prefill.
     assert out.num_scheduled_tokens == {"long1": 16, "long2": 16}
-    out = step(s)
-    # long3 must wait (2 partial prefills in flight) but the short prompt fits whole.
-    assert "long3" not in out.num_scheduled_tokens
     run_all(s)
 
 
@@ -134,7 +140,7 @@ def test_prefix_hits():
     out = step(s)
     assert out.new_requests[0].num_computed_tokens == 16
     assert out.num_scheduled_tokens["b"] == 3
-    assert s.kv.prefix_hits == 16 and s.kv.prefix_queries == 18 + 19
+    assert s.stats.prefix_cache_hits == 16 and s.stats.prefix_cache_queries == 18 + 19
     # A different salt sees nothing.
     s.add_request(req("c", 0, 2, prompt=[*shared, 3], salt="tenant-2"))
     out = step(s)
