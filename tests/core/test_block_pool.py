@@ -140,17 +140,17 @@ def test_cached_free_block_keeps_hash_until_reused():
     pool.free_blocks([b0])
     # Free but still cached: a prefix hit could revive it.
     assert b0.ref_cnt == 0 and b0.block_hash == 111
-    assert pool.get_cached_block(111) is b0
+    assert pool.cached.get(111) is b0
     pool.check_invariants({})
     # LRU: block 1 was free longer, so it goes first; b0 keeps its hash.
     (b1,) = pool.get_new_blocks(1)
     assert b1.block_id == 1
-    assert pool.get_cached_block(111) is b0 and pool.num_evictions == 0
+    assert pool.cached.get(111) is b0 and pool.num_evictions == 0
     pool.check_invariants({1: 1})
     # Now b0 is handed out again: lazily evicted.
     (again,) = pool.get_new_blocks(1)
     assert again is b0
-    assert b0.block_hash is None and pool.get_cached_block(111) is None
+    assert b0.block_hash is None and pool.cached.get(111) is None
     assert pool.cached == {} and pool.num_evictions == 1
     pool.check_invariants({0: 1, 1: 1})
 
@@ -161,7 +161,7 @@ def test_touch_revives_cached_free_block():
     pool.cache_block(b0, 42)
     pool.free_blocks([b0])
     assert pool.num_free_blocks == 3
-    pool.touch([pool.get_cached_block(42)])
+    pool.touch([pool.cached.get(42)])
     assert b0.ref_cnt == 1 and b0.block_hash == 42
     assert pool.num_free_blocks == 2
     assert 0 not in ids(pool.free_queue)
@@ -176,32 +176,15 @@ def test_cache_block_first_writer_wins():
     b0, b1 = pool.get_new_blocks(2)
     pool.cache_block(b0, 7)
     pool.cache_block(b1, 7)  # same prefix computed twice: the first block stays
-    assert pool.get_cached_block(7) is b0 and b1.block_hash is None
+    assert pool.cached.get(7) is b0 and b1.block_hash is None
     pool.cache_block(b0, 8)  # a block registers under one hash only
-    assert b0.block_hash == 7 and pool.get_cached_block(8) is None
+    assert b0.block_hash == 7 and pool.cached.get(8) is None
     pool.cache_block(b1, 8)
-    assert pool.get_cached_block(8) is b1
+    assert pool.cached.get(8) is b1
     assert pool.cached == {7: b0, 8: b1}
     pool.check_invariants({0: 1, 1: 1})
 
 
-def test_reset_prefix_cache_only_when_nothing_is_owned():
-    pool = BlockPool(3)
-    b0, b1 = pool.get_new_blocks(2)
-    pool.cache_block(b0, 1)
-    pool.cache_block(b1, 2)
-    pool.free_blocks([b1])
-    assert pool.reset_prefix_cache() is False
-    assert pool.cached == {1: b0, 2: b1} and b1.block_hash == 2
-    pool.free_blocks([b0])
-    assert pool.reset_prefix_cache() is True
-    assert pool.cached == {}
-    assert all(b.block_hash is None for b in pool.blocks)
-    assert pool.num_free_blocks == 3
-    pool.check_invariants({})
-
-
-# -- check_invariants catches corruption -------------------------------------------------------
 def test_check_invariants_passes_on_a_busy_pool():
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)

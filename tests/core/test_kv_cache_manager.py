@@ -28,7 +28,7 @@ def compute(kv: KVCacheManager, r: Request, n: int) -> list[int] | None:
     new = kv.allocate_slots(r, n)
     assert new is not None
     r.num_computed_tokens += n
-    kv.cache_blocks(r)
+    kv.commit_computed([r])
     kv.check_invariants()
     return new
 
@@ -106,16 +106,16 @@ def test_only_full_computed_blocks_are_cached():
     kv = make_kv()
     a = make_req("a", range(10))
     assert kv.allocate_slots(a, 10) == [0, 1, 2]
-    kv.cache_blocks(a)  # nothing computed yet
+    kv.commit_computed([a])  # nothing computed yet
     assert kv.pool.cached == {}
     a.num_computed_tokens = 6
-    kv.cache_blocks(a)  # one full computed block
+    kv.commit_computed([a])  # one full computed block
     assert [b.block_id for b in kv.pool.cached.values()] == [0]
     kv.check_invariants()
     b = make_req("b", range(10))
     assert hit_ids(kv, b) == [0]
     a.num_computed_tokens = 10
-    kv.cache_blocks(a)  # block 2 (tokens 8, 9) is partial: never cached
+    kv.commit_computed([a])  # block 2 (tokens 8, 9) is partial: never cached
     assert sorted(b.block_id for b in kv.pool.cached.values()) == [0, 1]
     assert hit_ids(kv, b) == [0, 1]
     kv.check_invariants()
@@ -141,7 +141,7 @@ def test_same_block_after_a_different_prefix_is_not_a_hit():
     assert hit_ids(kv, b) == []
     # Chained: block 1 of b holds the same tokens as block 1 of a, yet hashes differently.
     assert b.block_hashes[1] != a.block_hashes[1]
-    assert kv.pool.get_cached_block(b.block_hashes[1]) is None
+    assert kv.pool.cached.get(b.block_hashes[1]) is None
     c = make_req("c", x + z + [0])
     assert hit_ids(kv, c) == [0]  # shares x only
     d = make_req("d", x + y + [0, 1, 2])
@@ -269,7 +269,7 @@ def test_swap_out_and_in_round_trip():
     a.num_computed_tokens = 11
     assert len(kv.allocate_slots(a, 2)) == 1  # token 12 opens a fourth
     kv.check_invariants()
-    kv.cache_blocks(a)
+    kv.commit_computed([a])
     kv.check_invariants()
 
 

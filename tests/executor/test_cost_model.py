@@ -57,7 +57,7 @@ def test_each_term_by_hand() -> None:
     cm = CostModel(TINY, TOY_HW, overhead=OVERHEAD)
     decodes, ctx, chunks = 3, 3 * 7, [(5, 2), (3, 0)]
     t, s = 3 + 5 + 3, 5
-    parts = cm.breakdown(decodes, ctx, chunks, swap_blocks=2, copy_blocks=1, block_size=4)
+    parts = cm.breakdown(decodes, ctx, chunks, swap_blocks=2, block_size=4)
     # Projections per layer: qkv (2+2)*4=16 x 8, o 8 x 8, gate_up 32 x 8, down 8 x 16.
     assert parts["gemm"] == pytest.approx(
         2 * (gemm(t, 16, 8) + gemm(t, 8, 8) + gemm(t, 32, 8) + gemm(t, 8, 16)))
@@ -82,11 +82,10 @@ def test_each_term_by_hand() -> None:
     assert parts["attention_launch"] == pytest.approx(2 * 1e-4)
     kv_all = 2 * kv
     assert parts["swap"] == pytest.approx(4 * 2 * kv_all / (HOST * 0.5))
-    assert parts["copy"] == pytest.approx(4 * 1 * 2 * kv_all / (B * 0.8))
     assert parts["overhead"] == pytest.approx(0.01 + 0.001 * s + 1e-4 * t)
     assert parts["allreduce"] == 0.0
     assert parts["total"] == pytest.approx(sum(parts[k] for k in TERMS))
-    got = cm.step_time(decodes, ctx, chunks, swap_blocks=2, copy_blocks=1, block_size=4)
+    got = cm.step_time(decodes, ctx, chunks, swap_blocks=2, block_size=4)
     assert got == pytest.approx(parts["total"])
 
 

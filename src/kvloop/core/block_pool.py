@@ -13,7 +13,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
         """Set while the block is registered in the prefix cache under this hash."""
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
@@ -44,6 +44,24 @@ class FreeBlockQueue:
             raise RuntimeError("no free KV block left")
         self.remove(block)
         return block
+
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """Take the ``n`` least recently freed blocks, unlinked in one splice."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        out = []
+        block = self._head.next
+        for _ in range(n):
+            assert block is not None and block is not self._tail
+            nxt = block.next
+            block.prev = block.next = None
+            out.append(block)
+            block = nxt
+        assert block is not None
+        self._head.next = block
+        block.prev = self._head
+        self.num_free -= n
+        return out
 
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev, block.next
@@ -79,14 +97,13 @@ class BlockPool:
     when ``get_new_blocks`` hands it out again, in LRU order.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[bytes, KVBlock] = {}
         """Prefix-cache map: block hash -> the block holding that prefix's KV."""
         self.num_evictions = 0
 
@@ -105,17 +122,9 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` free blocks (ref_cnt 1), evicting their cached hashes."""
-        if n > self.free_queue.num_free:
-            raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
-        out = []
-        queue = self.free_queue
-        head, tail = queue._head, queue._tail
+        out = self.free_queue.popleft_n(n)
         cached = self.cached
-        block = head.next
-        for _ in range(n):
-            assert block is not None and block is not tail
-            nxt = block.next
-            block.prev = block.next = None
+        for block in out:
             h = block.block_hash
             if h is not None:
                 if cached.get(h) is block:
@@ -123,13 +132,6 @@ class BlockPool:
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
-            out.append(block)
-            block = nxt
-        # Unlink the n taken blocks from the head of the queue in one splice.
-        head.next = block
-        assert block is not None
-        block.prev = head
-        queue.num_free -= n
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -148,23 +150,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Register a full, computed block under its prefix hash (first writer wins)."""
         if block.block_hash is None and block_hash not in self.cached:
             self.cached[block_hash] = block
             block.block_hash = block_hash
-
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
-        return self.cached.get(block_hash)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only allowed when no block is owned."""
-        if self.num_used_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-        return True
 
     def check_invariants(self, owners: dict[int, int]) -> None:
         """Assert pool consistency. ``owners`` maps block_id -> number of owning requests."""

@@ -1,7 +1,8 @@
 """The scheduler's view of KV memory: per-request block tables, prefix lookups, swapping.
 
 It hides the block pool: the scheduler asks "can this request get slots for n more
-tokens?" and receives block ids; it never touches blocks or ref counts itself.
+tokens?" and receives block ids; it never touches blocks, ref counts or block tables, and
+it reports progress (``commit_computed``) without deciding what gets cached.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class KVCacheManager:
         self.num_gpu_blocks = cache_config.num_gpu_blocks
         self.num_cpu_blocks = cache_config.num_cpu_blocks
         self.enable_caching = cache_config.enable_prefix_caching
-        self.pool = BlockPool(cache_config.num_gpu_blocks, self.enable_caching)
+        self.pool = BlockPool(cache_config.num_gpu_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         """Device block table per running request, in token order."""
         self._num_registered: dict[str, int] = {}
@@ -51,6 +52,14 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def device_owners(self) -> set[str]:
+        """Requests holding device blocks."""
+        return set(self.req_blocks)
+
+    def host_owners(self) -> set[str]:
+        """Requests holding host (swap) blocks."""
+        return set(self.swapped_blocks)
+
     # -- prefix cache ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """Cached blocks holding the longest known prefix of the request's tokens.
@@ -72,21 +81,35 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def cache_blocks(self, request: Request) -> None:
-        """Offer the request's full, computed blocks to the prefix cache."""
+    def commit_computed(self, requests: list[Request]) -> None:
+        """After a step: offer the blocks these requests filled to the prefix cache.
+
+        NOTE: a block is cached only once every token in it is computed, so a hit never
+        serves KV that was not written."""
         if not self.enable_caching:
             return
-        rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
-        done = self._num_registered.get(rid, 0)
-        if num_full <= done:
-            return
-        hashes = request.update_block_hashes(self.block_size)
-        blocks = self.req_blocks[rid]
+        block_size = self.block_size
+        registered = self._num_registered
         cache_block = self.pool.cache_block
-        for i in range(done, num_full):
-            cache_block(blocks[i], hashes[i])
-        self._num_registered[rid] = num_full
+        for request in requests:
+            num_full = request.num_computed_tokens // block_size
+            rid = request.request_id
+            done = registered[rid]
+            if num_full <= done:
+                continue
+            hashes = request.update_block_hashes(block_size)
+            blocks = self.req_blocks[rid]
+            for i in range(done, num_full):
+                cache_block(blocks[i], hashes[i])
+            registered[rid] = num_full
+
+    def commit_one_token(self, requests: list[Request]) -> None:
+        """``commit_computed`` for requests that each computed at most one token since the
+        last commit (the others were committed already): only those now at a block boundary
+        can have filled a block."""
+        if self.enable_caching:
+            block_size = self.block_size
+            self.commit_computed([r for r in requests if r.num_computed_tokens % block_size == 0])
 
     # -- allocation ------------------------------------------------------------------
     def allocate_slots(
@@ -98,29 +121,48 @@ class KVCacheManager:
         ``computed_blocks`` (prefix hits) are only given at admission, when the request has
         no table yet and ``request.num_computed_tokens`` already counts them.
         """
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
+        blocks = self.req_blocks.get(request.request_id)
         have = len(blocks) if blocks is not None else 0
-        hits = computed_blocks or ()
         need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if need <= have and not computed_blocks:
+            return []  # NOTE: the decode fast path: the new slots are in the last block
+        rid = request.request_id
+        hits = computed_blocks or ()
         need -= have + len(hits)
-        if need <= 0 and not hits:
-            return []
         # Cached free blocks revived by a hit leave the free queue too.
         revive = sum(1 for b in hits if b.ref_cnt == 0)
         if max(need, 0) + revive > self.pool.free_queue.num_free:
             return None
         if blocks is None:
             blocks = self.req_blocks[rid] = []
+            # NOTE: every request with a device table has an entry (commit_computed).
+            self._num_registered[rid] = len(hits)
         new: list[KVBlock] = []
         if hits:
             self.pool.touch(hits)
             new.extend(hits)
-            self._num_registered[rid] = len(hits)
         if need > 0:
             new.extend(self.pool.get_new_blocks(need))
         blocks.extend(new)
         return [b.block_id for b in new]
+
+    def allocate_decodes(self, requests: list[Request]) -> dict[str, list[int]] | None:
+        """One more slot for each request (all running, with a table), in order: what
+        ``allocate_slots(r, 1)`` would do for each in turn. Returns the new block ids of the
+        requests that needed one, or None, allocating nothing, if the free blocks do not
+        cover them all."""
+        tables, block_size = self.req_blocks, self.block_size
+        full = [r.request_id for r in requests
+                if len(tables[r.request_id]) * block_size <= r.num_computed_tokens]
+        if not full:
+            return {}
+        if len(full) > self.pool.free_queue.num_free:
+            return None
+        out = {}
+        for rid, block in zip(full, self.pool.get_new_blocks(len(full)), strict=True):
+            tables[rid].append(block)
+            out[rid] = [block.block_id]
+        return out
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks (tail first, so shared prefixes stay cached

@@ -31,9 +31,6 @@ class WaitingQueue:
         """Put back requests that were popped but not admitted, keeping their order."""
         raise NotImplementedError
 
-    def peek(self) -> Request:
-        raise NotImplementedError
-
     def pop(self) -> Request:
         raise NotImplementedError
 
@@ -61,9 +58,6 @@ class FCFSQueue(WaitingQueue):
 
     def add_front(self, requests: Iterable[Request]) -> None:
         self._q.extendleft(reversed(list(requests)))
-
-    def peek(self) -> Request:
-        return self._q[0]
 
     def pop(self) -> Request:
         return self._q.popleft()
@@ -117,10 +111,6 @@ class PriorityQueue(WaitingQueue):
         if not heap:
             raise IndexError("the waiting queue is empty")
 
-    def peek(self) -> Request:
-        self._prune()
-        return self._heap[0][-1]
-
     def pop(self) -> Request:
         self._prune()
         request = heapq.heappop(self._heap)[-1]
@@ -151,12 +141,16 @@ class Policy:
     """Factory of the waiting queue in this policy's order."""
     key: PolicyKey
     """Urgency order: smaller is more urgent; the largest running key is the victim."""
+    preempts_running: bool = False
+    """A waiting request that does not fit may preempt running requests strictly less
+    urgent than itself (otherwise it waits for blocks to free up)."""
 
 
 POLICIES: dict[str, Policy] = {
     "fcfs": Policy("fcfs", FCFSQueue, lambda r: (r.arrival_time, r.arrival_order)),
     "priority": Policy(
-        "priority", PriorityQueue, lambda r: (r.priority, r.arrival_time, r.arrival_order)
+        "priority", PriorityQueue, lambda r: (r.priority, r.arrival_time, r.arrival_order),
+        preempts_running=True,
     ),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from kvloop.core.prefix_hash import chain_hashes, root_hash, token_bytes
 from kvloop.sampling_params import SamplingParams
 
 
@@ -50,7 +51,6 @@ class Request:
     """
 
     __slots__ = (
-        "_hash_seed",
         "arrival_order",
         "arrival_time",
         "block_hashes",
@@ -108,8 +108,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids: list[int] = []
-        self.block_hashes: list[int] = []
-        self._hash_seed: int | None = None
+        self.block_hashes: list[bytes] = []
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
@@ -158,28 +157,17 @@ class Request:
         return self.token_ids(0, self.num_tokens)
 
     # -- prefix-cache hashes -------------------------------------------------------
-    def update_block_hashes(self, block_size: int) -> list[int]:
-        """Extend ``block_hashes`` over every full block of known tokens and return it.
-
-        NOTE: hash i chains the hash of block i-1, the block's token ids and the cache salt,
-        so equal hashes mean equal whole prefixes (up to 64-bit collisions).
-        """
+    def update_block_hashes(self, block_size: int) -> list[bytes]:
+        """Extend ``block_hashes`` over every full block of known tokens and return it
+        (``kvloop.core.prefix_hash``: SHA-256 chained over the blocks, salted)."""
         hashes = self.block_hashes
         num_full = self.num_tokens // block_size
-        if len(hashes) < num_full:
-            if self._hash_seed is None:
-                self._hash_seed = _salt_seed(self.cache_salt)
-            parent = hashes[-1] if hashes else self._hash_seed
-            prompt, n_prompt = self.prompt_token_ids, self.num_prompt_tokens
-            for i in range(len(hashes), num_full):
-                start, end = i * block_size, (i + 1) * block_size
-                block = (
-                    tuple(prompt[start:end])
-                    if end <= n_prompt
-                    else tuple(self.token_ids(start, end))
-                )
-                parent = hash((parent, block))
-                hashes.append(parent)
+        done = len(hashes)
+        if done < num_full:
+            parent = hashes[-1] if hashes else root_hash(self.cache_salt)
+            start, end = done * block_size, num_full * block_size
+            data = token_bytes(self.token_ids(start, end))
+            hashes.extend(chain_hashes(parent, data, block_size, num_full - done))
         return hashes
 
     def __repr__(self) -> str:
@@ -188,12 +176,3 @@ class Request:
             f"computed={self.num_computed_tokens}/{self.num_tokens}, "
             f"out={self.num_output_tokens}/{self.max_tokens})"
         )
-
-
-def _salt_seed(salt: str | None) -> int:
-    """A process-independent integer for the salt (``hash(str)`` is randomised per run)."""
-    if salt is None:
-        return 0x6B766C6F6F70  # "kvloop"
-    import hashlib
-
-    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")

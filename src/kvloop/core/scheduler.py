@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.interface import (
+    CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -62,10 +63,20 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._num_added = 0
         self._arrived: list[tuple[str, float, int]] = []
+        """Arrivals since the last step record (kept only when recording)."""
         self._finished_log: list[tuple[str, str]] = []
         """Finishes not yet written to a step record (kept only when recording)."""
-        """Arrivals since the last step record (kept only when recording)."""
         self._step: StepBuilder | None = None
+        self._prefilling: set[str] = set()
+        """Running requests that may have prompt tokens left (see ``_num_partial``)."""
+        # NOTE: the one place the scheduling order is decided: the passes run in this order.
+        passes = {"running": self._schedule_running, "swapped": self._schedule_swapped,
+                  "waiting": self._schedule_waiting}
+        order = (("running", "swapped", "waiting")
+                 if scheduler_config.scheduling_order == "decode-first"
+                 else ("waiting", "running", "swapped"))
+        self._passes: tuple[Callable[[StepBuilder], None], ...] = tuple(
+            passes[name] for name in order)
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -135,6 +146,7 @@ class Scheduler:
         request.status = status
         request.finished_time = self.clock()
         self.kv.free(request)
+        self._prefilling.discard(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self._count_finished(request)
@@ -163,20 +175,37 @@ class Scheduler:
         if self._step is not None:
             raise RuntimeError("schedule() called twice without update_from_output()")
         b = self._step = StepBuilder(self.config.max_num_batched_tokens, self.clock())
-        if self.config.scheduling_order == "decode-first":
-            self._schedule_running(b)
-            self._schedule_swapped(b)
-            self._schedule_waiting(b)
-        else:
-            self._schedule_waiting(b)
-            self._schedule_running(b)
-            self._schedule_swapped(b)
+        for schedule_pass in self._passes:
+            schedule_pass(b)
+        return self._build_output(b)
+
+    def _build_output(self, b: StepBuilder) -> SchedulerOutput:
+        requests, scheduled, admitted = self.requests, b.scheduled, b.admitted
+        new_blocks, pinned = b.new_blocks, b.pinned
+        new_requests = [
+            NewRequestData(
+                request_id=rid,
+                prompt_token_ids=(req := requests[rid]).prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=new_blocks[rid],
+                num_computed_tokens=num_hit,
+            )
+            for rid, num_hit in admitted.items()
+        ]
+        ids = [rid for rid in scheduled if rid not in admitted] if admitted else list(scheduled)
+        cached = CachedRequestData(
+            ids,
+            [new_blocks.get(rid) or [] for rid in ids] if new_blocks else [[] for _ in ids],
+            [requests[rid].num_computed_tokens for rid in ids],
+            [rid in pinned for rid in ids] if pinned else [False] * len(ids),
+        )
         out = SchedulerOutput(
             step=self.step_index,
-            new_requests=b.new_requests,
-            cached_requests=b.cached,
-            num_scheduled_tokens=b.scheduled,
-            total_num_scheduled_tokens=b.total_tokens,
+            new_requests=new_requests,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=b.token_budget - b.budget,
             blocks_to_swap_out=b.swap_out,
             blocks_to_swap_in=b.swap_in,
             finished_request_ids=self._finished_ids,
@@ -192,119 +221,103 @@ class Scheduler:
             remaining = cap
         return remaining if remaining < budget else budget
 
+    def _num_partial(self, b: StepBuilder) -> int:
+        """Running requests whose prefill stays unfinished after this step, whichever pass
+        scheduled (or skipped) them: the one count ``max_num_partial_prefills`` caps.
+
+        NOTE: computed from state, not accumulated by the passes, so it cannot depend on
+        the order they run in. It walks ``_prefilling`` (admitted or swapped in with prompt
+        tokens left, pruned here once their prefill is done), not every running request."""
+        scheduled, requests, prefilling = b.scheduled, self.requests, self._prefilling
+        count = 0
+        for rid in list(prefilling):
+            r = requests[rid]
+            end = r.num_tokens - (1 if r.output_token_ids else 0)
+            if r.num_computed_tokens >= end:
+                prefilling.discard(rid)  # its prefill is done
+            elif r.num_computed_tokens + scheduled.get(rid, 0) < end:
+                count += 1
+        return count
+
     def _schedule_running(self, b: StepBuilder) -> None:
-        running = self.running
-        kv = self.kv
-        allocate = kv.allocate_slots
-        req_blocks = kv.req_blocks
-        block_size = kv.block_size
         scheduled = b.scheduled
-        c = b.cached
-        add_id, add_blocks = c.request_ids.append, c.new_block_ids.append
-        add_computed, add_resumed = c.num_computed_tokens.append, c.resumed_from_swap.append
-        check_done = self.config.scheduling_order == "prefill-first"
-        budget = b.budget
-        i = 0
-        while i < len(running):
-            if budget <= 0:
-                # NOTE: requests left unserved keep their partial prefills counted.
-                b.num_partial += sum(
-                    1 for r in running[i:] if r.num_tokens - r.num_computed_tokens > 1
-                )
-                break
-            req = running[i]
-            rid = req.request_id
-            if check_done and rid in scheduled:  # admitted earlier in this step
-                i += 1
-                continue
-            computed = req.num_computed_tokens
-            remaining = req.num_prompt_tokens + len(req.output_token_ids) - computed
-            if remaining == 1 and computed < len(req_blocks[rid]) * block_size:
-                n = 1
-                new_ids: list[int] | None = []  # fast path: the slot is in the last block
+        # Requests admitted earlier in this step (prefill-first) are already scheduled.
+        todo = [r for r in self.running if r.request_id not in scheduled] if scheduled else (
+            self.running)
+        # NOTE: the steady state in bulk. For the leading requests that decode (up to the
+        # budget), if the pool has a block for each one at a block boundary, the loop below
+        # would charge each one token, in order, preempting no one: the same decisions (and
+        # block ids) as charging them at once, at a fraction of the cost.
+        k = _leading_decodes(todo, b.budget)
+        if k:
+            new_blocks = self.kv.allocate_decodes(todo[:k])
+            if new_blocks is None:
+                k = 0
             else:
-                n = 1 if remaining == 1 else self._chunk(remaining, budget)
+                b.charge_decodes(todo[:k], new_blocks)
+        allocate = self.kv.allocate_slots
+        charge = b.charge
+        # NOTE: a copy: preemptions edit ``running`` while the loop walks it; victims not
+        # yet visited are skipped by their status.
+        for req in todo[k:]:
+            if b.budget <= 0:
+                break
+            if req.status is not _RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
+            new_ids = allocate(req, n)
+            while new_ids is None:
+                victim = self._pick_victim(b, worse_than=None)
+                assert victim is not None, "a running request is never pinned"
+                self._preempt(victim, b)
+                if victim is req:
+                    break
                 new_ids = allocate(req, n)
-                if new_ids is None:
-                    b.total_tokens += b.budget - budget  # sync before _preempt edits them
-                    b.budget = budget
-                    while new_ids is None:
-                        victim = self._pick_victim(b, worse_than=None)
-                        vi = running.index(victim)
-                        self._preempt(victim, b)
-                        if victim is req:
-                            break
-                        if vi < i:
-                            i -= 1
-                        new_ids = allocate(req, n)
-                    budget = b.budget
-                    if new_ids is None:
-                        continue  # req itself was preempted; running[i] is the next one
-            scheduled[rid] = n
-            budget -= n
-            if remaining > 1 or not req.output_token_ids:
-                b.mark_prefill(req)
-                if n < remaining:
-                    b.num_partial += 1
-            add_id(rid)
-            add_blocks(new_ids)
-            add_computed(computed)
-            add_resumed(False)
-            i += 1
-        b.total_tokens += b.budget - budget
-        b.budget = budget
+            if new_ids is not None:
+                charge(req, n, remaining, new_ids)
 
     def _schedule_swapped(self, b: StepBuilder) -> None:
         # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
         # swaps out and swaps in (see ``_preempt``).
         if not self.swapped or b.preempted:
             return
-        cfg = self.config
+        cfg, kv = self.config, self.kv
         for req in sorted(self.swapped, key=self.policy.key):
             if len(self.running) >= cfg.max_num_seqs or b.budget <= 0:
                 break
             remaining = req.num_tokens - req.num_computed_tokens
             n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
-            if n < remaining and b.num_partial >= cfg.max_num_partial_prefills:
+            if n < remaining and self._num_partial(b) >= cfg.max_num_partial_prefills:
                 continue
-            if not self.kv.can_swap_in(req, n):
+            if not kv.can_swap_in(req, n):
                 break
-            pairs = self.kv.swap_in(req)
-            new_ids = self.kv.allocate_slots(req, n)
+            pairs = kv.swap_in(req)
+            new_ids = kv.allocate_slots(req, n)
             assert new_ids is not None, "can_swap_in promised room"
             self.swapped.remove(req)
             req.status = _RUNNING
             self.running.append(req)
-            b.pinned.add(req.request_id)
-            b.swap_in.extend(pairs)
-            b.swapped_in.append(req.request_id)
             rid = req.request_id
-            b.scheduled[rid] = n
-            b.budget -= n
-            b.total_tokens += n
+            b.pinned.add(rid)
             if remaining > 1:
-                b.mark_prefill(req)
-                if n < remaining:
-                    b.num_partial += 1
-            c = b.cached
-            c.request_ids.append(rid)
-            c.new_block_ids.append(self.kv.block_ids(rid))
-            c.num_computed_tokens.append(req.num_computed_tokens)
-            c.resumed_from_swap.append(True)
+                self._prefilling.add(rid)
+            b.swap_in.extend(pairs)
+            b.swapped_in.append(rid)
+            # NOTE: a swapped-in request's new blocks are its whole table.
+            b.charge(req, n, remaining, kv.block_ids(rid))
             self.stats.num_blocks_swapped_in += len(pairs)
 
     def _schedule_waiting(self, b: StepBuilder) -> None:
         # NOTE: swapped requests come back before new work is admitted (no starvation), and
         # a step that had to preempt admits nothing new (that would only thrash).
-        if self.swapped or b.preempted or not len(self.waiting):
+        waiting = self.waiting
+        if self.swapped or b.preempted or not len(waiting):
             return
-        cfg = self.config
-        kv = self.kv
-        if cfg.scheduling_order == "prefill-first":
-            b.num_partial = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        cfg, kv = self.config, self.kv
         skipped: list[Request] = []
-        while len(self.waiting) and b.budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting.pop()
+        while len(waiting) and b.budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = waiting.pop()
             if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
                 skipped.append(req)
                 continue
@@ -314,14 +327,14 @@ class Scheduler:
             n = self._chunk(remaining, b.budget)
             if n < remaining:
                 if not cfg.enable_chunked_prefill and remaining <= cfg.max_num_batched_tokens:
-                    self.waiting.add_front([req])  # wait for a step with room for all of it
+                    waiting.add_front([req])  # wait for a step with room for all of it
                     break
-                if b.num_partial >= cfg.max_num_partial_prefills:
+                if self._num_partial(b) >= cfg.max_num_partial_prefills:
                     skipped.append(req)  # a shorter prompt behind it may still fit
                     continue
             req.num_computed_tokens = num_hit
             new_ids = kv.allocate_slots(req, n, hits)
-            while new_ids is None and self.policy.name == "priority":
+            while new_ids is None and self.policy.preempts_running:
                 victim = self._pick_victim(b, worse_than=req)
                 if victim is None:
                     break
@@ -329,16 +342,15 @@ class Scheduler:
                 new_ids = kv.allocate_slots(req, n, hits)
             if new_ids is None:
                 req.num_computed_tokens = 0
-                self.waiting.add_front([req])
+                waiting.add_front([req])
                 break
             self._admit(req, n, num_hit, new_ids, b)
         if skipped:
-            self.waiting.add_front(skipped)
+            waiting.add_front(skipped)
 
     def _admit(
         self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
     ) -> None:
-        rid = req.request_id
         if req.num_preemptions == 0:
             self.stats.prefix_cache_queries += req.num_tokens
             self.stats.prefix_cache_hits += num_hit
@@ -353,23 +365,9 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = b.start_time
         self.running.append(req)
-        b.admitted.add(rid)
-        b.scheduled[rid] = n
-        b.budget -= n
-        b.total_tokens += n
-        b.mark_prefill(req)
-        if n < req.num_tokens - num_hit:
-            b.num_partial += 1
-        b.new_requests.append(
-            NewRequestData(
-                request_id=rid,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=list(req.output_token_ids),
-                sampling_params=req.sampling_params,
-                block_ids=block_ids,
-                num_computed_tokens=num_hit,
-            )
-        )
+        self._prefilling.add(req.request_id)
+        b.charge(req, n, req.num_tokens - num_hit, block_ids)
+        b.admitted[req.request_id] = num_hit
 
     # -- preemption ------------------------------------------------------------------
     def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None:
@@ -397,21 +395,16 @@ class Scheduler:
     def _preempt(self, victim: Request, b: StepBuilder) -> None:
         """Take ``victim`` (already chosen) off the device; undo its share of this step."""
         rid = victim.request_id
-        if victim in self.running:
-            self.running.remove(victim)
-        n = b.scheduled.pop(rid, None)
-        if n is not None:
-            b.budget += n
-            b.total_tokens -= n
-            b.unschedule(rid)
-            if victim.num_tokens - victim.num_computed_tokens > n:  # it was a partial prefill
-                b.num_partial -= 1
+        self.running.remove(victim)
+        self._prefilling.discard(rid)
+        admitted_now = rid in b.admitted
+        b.uncharge(rid)
         # NOTE: a step never both swaps in and swaps out, so host blocks released by a
         # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
         swap = (
             self.config.preemption_mode == "swap"
             and not b.swap_in
-            and rid not in b.admitted
+            and not admitted_now
             and victim.num_computed_tokens > 0
             and self.kv.can_swap_out(victim)
         )
@@ -433,7 +426,6 @@ class Scheduler:
             self.stats.num_recompute_preemptions += 1
             b.preempted.append((rid, "recompute"))
         b.preempted_ids.add(rid)
-        b.admitted.discard(rid)
 
     # -- after the step --------------------------------------------------------------
     def update_from_output(
@@ -452,20 +444,18 @@ class Scheduler:
         requests = self.requests
         kv = self.kv
         touched: list[Request] = []
+        chunked: list[Request] = []
         finished: list[tuple[Request, RequestStatus]] = []
         gen_tokens = 0
-        caching = kv.enable_caching
-        block_size = kv.block_size
-        cache_blocks = kv.cache_blocks
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(rid)
-            if req is None or req.status != _RUNNING:
+            if req is None or req.status is not _RUNNING:
                 continue  # aborted between schedule() and now
             computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if n > 1:
+                chunked.append(req)
             outputs = req.output_token_ids
             if computed < req.num_prompt_tokens + len(outputs):
-                if caching:
-                    cache_blocks(req)
                 continue
             tokens = sampled.get(rid)
             if not tokens:
@@ -490,12 +480,13 @@ class Scheduler:
                 if len(outputs) >= max_tokens:
                     status = RequestStatus.FINISHED_LENGTH
                     break
-            # A decode fills a block only when the computed count reaches its boundary.
-            if caching and (n > 1 or computed % block_size == 0):
-                cache_blocks(req)
             touched.append(req)
             if status is not None:
                 finished.append((req, status))
+        # NOTE: before finished requests release their blocks, so their prompts stay cached.
+        if chunked:
+            kv.commit_computed(chunked)
+        kv.commit_one_token(touched)
         if finished:
             if len(finished) <= 8:
                 for req, _ in finished:
@@ -518,9 +509,10 @@ class Scheduler:
             sampled = [r.request_id for r in touched if r.status != RequestStatus.FINISHED_ERROR]
             arrived, self._arrived = self._arrived, []
             b.finished, self._finished_log = self._finished_log, []
-            self.recorder.add(
-                build_step_record(self, b, scheduler_output, runner_output, now, arrived, sampled)
-            )
+            counts = (kv.num_used_blocks, kv.num_gpu_blocks, len(self.running),
+                      len(self.waiting), len(self.swapped))
+            self.recorder.add(build_step_record(
+                b, scheduler_output, runner_output, now, arrived, sampled, counts))
         self.step_index += 1
         return touched
 
@@ -553,16 +545,32 @@ class Scheduler:
         assert not (running & swapped or running & waiting or swapped & waiting)
         assert running | swapped | waiting == set(self.requests), "a request is lost"
         assert len(self.running) <= self.config.max_num_seqs
-        assert set(self.kv.req_blocks) <= running, "a non-running request holds blocks"
-        assert set(self.kv.swapped_blocks) == swapped, "swapped table mismatch"
+        assert self.kv.device_owners() <= running, "a non-running request holds blocks"
+        assert self.kv.host_owners() == swapped, "swapped table mismatch"
         bs = self.kv.block_size
         for r in self.running:
             assert r.status == _RUNNING, r
-            blocks = len(self.kv.req_blocks.get(r.request_id, ()))
+            blocks = len(self.kv.block_ids(r.request_id))
             assert blocks * bs >= r.num_computed_tokens, f"{r} lacks blocks"
             assert r.num_computed_tokens < r.num_tokens, f"{r} computed past its tokens"
+            if r.num_computed_tokens < r.num_tokens - (1 if r.output_token_ids else 0):
+                assert r.request_id in self._prefilling, f"{r} prefills untracked"
+        assert self._prefilling <= running, "a non-running request is tracked as prefilling"
         for r in self.swapped:
             assert r.status == RequestStatus.SWAPPED, r
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert r.num_computed_tokens == 0, r
+
+
+def _leading_decodes(requests: list[Request], limit: int) -> int:
+    """How many of the first ``limit`` requests decode (one token left, outputs so far)
+    before the first that does not."""
+    k = 0
+    for r in requests[:limit] if limit < len(requests) else requests:
+        if not r.output_token_ids or (
+            r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1
+        ):
+            break
+        k += 1
+    return k

@@ -1,20 +1,15 @@
-"""Bookkeeping of the step being built, and its ``StepRecord`` once it ran."""
+"""The decisions of the step being built, and its ``StepRecord`` once it ran.
+
+``schedule()`` only records decisions here (tokens and new blocks per request, swaps,
+preemptions); the ``SchedulerOutput`` is built from them after every pass ran, so undoing a
+preempted request's share is a few dict pops.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kvloop.core.interface import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
 from kvloop.core.request import Request
 from kvloop.core.stats import ScheduledEntry, StepRecord
-
-if TYPE_CHECKING:
-    from kvloop.core.scheduler import Scheduler
 
 
 class StepBuilder:
@@ -23,10 +18,8 @@ class StepBuilder:
     __slots__ = (
         "admitted",
         "budget",
-        "cached",
         "finished",
-        "new_requests",
-        "num_partial",
+        "new_blocks",
         "pinned",
         "preempted",
         "preempted_ids",
@@ -39,64 +32,71 @@ class StepBuilder:
         "swap_out",
         "swapped_in",
         "token_budget",
-        "total_tokens",
     )
 
     def __init__(self, token_budget: int, start_time: float) -> None:
         self.token_budget = token_budget
         self.budget = token_budget
         self.start_time = start_time
-        self.total_tokens = 0
         self.scheduled: dict[str, int] = {}
-        self.new_requests: list[NewRequestData] = []
-        self.cached = CachedRequestData()
+        """Tokens to compute per request, in scheduling order."""
+        self.new_blocks: dict[str, list[int]] = {}
+        """Block ids added to a request's table this step (absent: none)."""
+        self.admitted: dict[str, int] = {}
+        """Requests admitted from the waiting queue this step -> tokens found cached."""
         self.swap_in: list[tuple[int, int]] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swapped_in: list[str] = []
-        self.preempted: list[tuple[str, str]] = []
-        self.preempted_ids: set[str] = set()
         self.pinned: set[str] = set()
         """Swapped in during this step: never a victim in the same step."""
-        self.admitted: set[str] = set()
-        """Admitted from the waiting queue during this step."""
+        self.preempted: list[tuple[str, str]] = []
+        self.preempted_ids: set[str] = set()
         self.prefill_kinds: dict[str, str] = {}
         """``prefill`` or ``recompute`` for each request computing prompt tokens; every
         other scheduled request decodes."""
-        self.num_partial = 0
-        """Requests whose prefill stays unfinished after this step."""
         self.finished: list[tuple[str, str]] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
 
-    def mark_prefill(self, request: Request) -> None:
-        self.prefill_kinds[request.request_id] = (
-            "recompute" if request.output_token_ids else "prefill"
-        )
+    def charge(self, req: Request, n: int, remaining: int, new_ids: list[int]) -> None:
+        """Schedule ``n`` of the request's ``remaining`` tokens with ``new_ids`` as the
+        blocks added to its table: the one place a request's share of a step is recorded."""
+        rid = req.request_id
+        self.scheduled[rid] = n
+        self.budget -= n
+        if new_ids:
+            self.new_blocks[rid] = new_ids
+        if remaining > 1 or not req.output_token_ids:
+            self.prefill_kinds[rid] = "recompute" if req.output_token_ids else "prefill"
 
-    def unschedule(self, request_id: str) -> None:
-        """Drop a request's entry from the step's new or cached request data."""
-        for i, data in enumerate(self.new_requests):
-            if data.request_id == request_id:
-                del self.new_requests[i]
-                return
-        c = self.cached
-        if request_id in c.request_ids:
-            i = c.request_ids.index(request_id)
-            del c.request_ids[i], c.new_block_ids[i], c.num_computed_tokens[i]
-            del c.resumed_from_swap[i]
-        self.prefill_kinds.pop(request_id, None)
+    def charge_decodes(self, reqs: list[Request], new_blocks: dict[str, list[int]]) -> None:
+        """``charge(req, 1, 1, new_blocks.get(id, []))`` for each of ``reqs`` (all decoding,
+        none scheduled yet), at once."""
+        self.scheduled.update(dict.fromkeys([r.request_id for r in reqs], 1))
+        self.new_blocks.update(new_blocks)
+        self.budget -= len(reqs)
+
+    def uncharge(self, rid: str) -> None:
+        """Undo ``charge`` for a request preempted later in the same step."""
+        n = self.scheduled.pop(rid, None)
+        if n is not None:
+            self.budget += n
+        self.new_blocks.pop(rid, None)
+        self.prefill_kinds.pop(rid, None)
+        self.admitted.pop(rid, None)
 
 
 def build_step_record(
-    scheduler: Scheduler,
     b: StepBuilder,
     out: SchedulerOutput,
     runner: ModelRunnerOutput,
     end_time: float,
     arrived: list[tuple[str, float, int]],
     sampled: list[str],
+    counts: tuple[int, int, int, int, int],
 ) -> StepRecord:
-    """Describe a finished step. Called after progress was applied."""
+    """Describe a finished step. Called after progress was applied; ``counts`` is (KV blocks
+    used, KV blocks in all, running, waiting, swapped) after the step."""
     c = out.cached_requests
     computed = dict(zip(c.request_ids, c.num_computed_tokens, strict=True))
     computed.update((d.request_id, d.num_computed_tokens) for d in out.new_requests)
@@ -105,7 +105,7 @@ def build_step_record(
         ScheduledEntry(rid, n, kinds.get(rid, "decode"), computed[rid])
         for rid, n in out.num_scheduled_tokens.items()
     ]
-    kv = scheduler.kv
+    used, total, running, waiting, swapped = counts
     return StepRecord(
         step=out.step,
         time_s=b.start_time,
@@ -121,11 +121,11 @@ def build_step_record(
         finished=b.finished,
         arrived=arrived,
         sampled=sampled,
-        kv_blocks_used=kv.num_used_blocks,
-        num_gpu_blocks=kv.num_gpu_blocks,
+        kv_blocks_used=used,
+        num_gpu_blocks=total,
         prefix_cache_queries=b.prefix_queries,
         prefix_cache_hits=b.prefix_hits,
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_swapped=len(scheduler.swapped),
+        num_running=running,
+        num_waiting=waiting,
+        num_swapped=swapped,
     )

@@ -64,7 +64,6 @@ TERMS = (
     "attention_launch",
     "allreduce",
     "swap",
-    "copy",
     "overhead",
 )
 """Names of :meth:`CostModel.breakdown`'s terms (their sum is ``total``)."""
@@ -127,7 +126,6 @@ class CostModel:
         self._t_chunk = self._layers * att.chunk_s
         kv_all = model.kv_bytes_per_token(tp)
         self._t_swap_token = kv_all / (hw.host_link_bandwidth * eff.host_link_fraction)
-        self._t_copy_token = 2 * kv_all / (bw * eff.gemm.memory_fraction)
         self._by_tokens: dict[int, tuple[float, ...]] = {}
         self._by_seqs: dict[int, tuple[float, float]] = {}
 
@@ -185,21 +183,16 @@ class CostModel:
         decode_context: int,
         chunks: Sequence[Chunk] = (),
         swap_blocks: int = 0,
-        copy_blocks: int = 0,
         block_size: int = 16,
     ) -> float:
         """Seconds one step takes.
 
         ``num_decodes``: requests computing one token; ``decode_context``: Σ of their
         contexts including that token (p + 1); ``chunks``: (c, p) of every request
-        computing c > 1 tokens; ``swap_blocks``/``copy_blocks``: KV blocks moved to/from
-        the host / copied on the device.
+        computing c > 1 tokens; ``swap_blocks``: KV blocks moved to or from
+        the host.
         """
-        moved = 0.0
-        if swap_blocks or copy_blocks:
-            moved = block_size * (
-                swap_blocks * self._t_swap_token + copy_blocks * self._t_copy_token
-            )
+        moved = block_size * swap_blocks * self._t_swap_token if swap_blocks else 0.0
         tokens = num_decodes
         attention = 0.0
         for c, p in chunks:
@@ -223,13 +216,11 @@ class CostModel:
         decode_context: int,
         chunks: Sequence[Chunk] = (),
         swap_blocks: int = 0,
-        copy_blocks: int = 0,
         block_size: int = 16,
     ) -> dict[str, float]:
         """The terms of :meth:`step_time` by name (``TERMS``), in seconds, plus ``total``."""
         parts = dict.fromkeys(TERMS, 0.0)
         parts["swap"] = block_size * swap_blocks * self._t_swap_token
-        parts["copy"] = block_size * copy_blocks * self._t_copy_token
         tokens = num_decodes + sum(c for c, _ in chunks)
         if tokens > 0:
             seqs = num_decodes + len(chunks)

@@ -47,7 +47,6 @@ class SimulatedExecutor:
             decode_context,
             chunks,
             len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out),
-            len(out.blocks_to_copy),
-            self.block_size,
+            block_size=self.block_size,
         )
         return ModelRunnerOutput(dict.fromkeys(scheduled, _ONE), step_time)

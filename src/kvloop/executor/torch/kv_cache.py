@@ -122,10 +122,3 @@ class KVCache:
         torch.index_select(self.cpu, 2, src, out=staging)
         self.gpu.index_copy_(2, dst, staging.to(self.device, non_blocking=self._pinned))
 
-    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Duplicate (source, destination) device blocks (copy-on-write)."""
-        if not pairs:
-            return
-        src = self._index([s for s, _ in pairs], self.device)
-        dst = self._index([d for _, d in pairs], self.device)
-        self.gpu.index_copy_(2, dst, self.gpu.index_select(2, src))

@@ -204,7 +204,6 @@ class TorchModelRunner:
         _check_disjoint(so.blocks_to_swap_out, so.blocks_to_swap_in)
         self.kv_cache.swap_out(so.blocks_to_swap_out)
         self.kv_cache.swap_in(so.blocks_to_swap_in)
-        self.kv_cache.copy(so.blocks_to_copy)
         for new in so.new_requests:
             requests[new.request_id] = self._new_state(new)
         cached = so.cached_requests
