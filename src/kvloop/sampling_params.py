@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvloop.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
     """How to sample a request's output and when to stop it.
 
-    Invalid values raise ``ValueError`` naming the field.
+    Invalid values raise ``InvalidRequestError`` (a ``ValueError``) with the field as data.
     """
 
     max_tokens: int = 16
@@ -45,7 +47,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first invalid field (also after mutation)."""
+        """Raise ``InvalidRequestError`` naming the first invalid field (also after mutation)."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
@@ -111,4 +113,4 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise InvalidRequestError(name, f"{name} {rule}, got {value!r}")

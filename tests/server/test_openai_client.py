@@ -18,7 +18,7 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 
 def _prompt_len(server: LiveServer, prompt: str) -> int:
-    return len(server.engine.encode(prompt))
+    return len(server.engine.tokenizer.encode(prompt))
 
 
 def test_completion_usage_and_length(client: openai.OpenAI, server: LiveServer) -> None:
@@ -33,7 +33,7 @@ def test_completion_usage_and_length(client: openai.OpenAI, server: LiveServer) 
 
 
 def test_completion_from_token_ids(client: openai.OpenAI, server: LiveServer) -> None:
-    ids = server.engine.encode("hello world")
+    ids = server.engine.tokenizer.encode("hello world")
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, **GREEDY)
     by_text = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5,
                                         **GREEDY)

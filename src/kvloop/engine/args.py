@@ -51,6 +51,9 @@ class EngineArgs:
     """``fcfs`` or ``priority``."""
     scheduling_order: str = "decode-first"
     """``decode-first`` or ``prefill-first``."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer (as vLLM): prompts must be token ids, outputs carry token ids and
+    empty text, stop strings and chat are unavailable. For model folders without one."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:

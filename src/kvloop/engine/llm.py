@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
+from kvloop.engine.intake import PromptInput, ValidatedRequest
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
+from kvloop.errors import InvalidRequestError
 from kvloop.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
 Message = dict[str, str]
 
 
@@ -45,21 +46,27 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come in input order.
+        """Generate for every prompt; outputs come in input order.
 
-        Every prompt is validated before any is queued, so a bad one (``ValueError`` naming
-        the field) leaves the engine as it was.
+        A prompt is text, a list of token ids, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}`` (vLLM's forms); give one or a list of them, mixed.
+        Every prompt is validated before any is queued, so a bad one
+        (``InvalidRequestError`` naming the field) leaves the engine as it was.
         """
         batch = _as_batch(prompts)
-        return self._run(
-            [self.engine.encode(p) for p in batch], batch, sampling_params, use_tqdm, priority
-        )
+        params = _as_params(sampling_params, len(batch))
+        prios = list(priority) if priority is not None else [0] * len(batch)
+        if len(prios) != len(batch):
+            raise InvalidRequestError("priority", "priority must have one entry per prompt")
+        validate = self.engine.validate
+        return self._run([validate(p, sp, priority=pr)
+                          for p, sp, pr in zip(batch, params, prios, strict=True)], use_tqdm)
 
     def chat(
         self,
@@ -70,36 +77,25 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (the model's chat template)."""
         if not messages:
-            raise ValueError("messages must not be empty")
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+            raise InvalidRequestError("messages", "messages must not be empty")
         tok = self.engine.tokenizer
-        ids = [tok.apply_chat_template(list(c)) for c in convs]  # type: ignore[union-attr]
-        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None)
+        if tok is None:
+            raise InvalidRequestError("messages", "chat needs a tokenizer: this engine has none "
+                                      "(skip_tokenizer_init); give token-id prompts to generate")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        params = _as_params(sampling_params, len(convs))
+        validate = self.engine.validate
+        return self._run([validate(tok.apply_chat_template(list(c)), sp)
+                          for c, sp in zip(convs, params, strict=True)], use_tqdm)
 
-    def _run(
-        self,
-        ids: list[list[int]],
-        texts: Sequence[Prompt | None],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
-        priority: Sequence[int] | None,
-    ) -> list[RequestOutput]:
-        params = _as_params(sampling_params, len(ids))
-        prios = list(priority) if priority is not None else [0] * len(ids)
-        if len(prios) != len(ids):
-            raise ValueError("priority must have one entry per prompt")
+    def _run(self, requests: list[ValidatedRequest], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        for p, sp in zip(ids, params, strict=True):
-            engine.check_request(p, sp)
         order: dict[str, int] = {}
         try:
-            for i, (p, sp, text) in enumerate(zip(ids, params, texts, strict=True)):
-                rid = engine.add_request(None, p, sp, priority=prios[i])
-                if isinstance(text, str):
-                    engine._tracked[rid].prompt = text
-                order[rid] = i
-            results: list[RequestOutput | None] = [None] * len(ids)
-            with tqdm(total=len(ids), disable=not use_tqdm, unit="req") as bar:
+            for i, vreq in enumerate(requests):
+                order[engine.add_request(None, vreq)] = i
+            results: list[RequestOutput | None] = [None] * len(requests)
+            with tqdm(total=len(requests), disable=not use_tqdm, unit="req") as bar:
                 while any(r is None for r in results):
                     for out in engine.step():
                         if out.finished and out.request_id in order:
@@ -113,12 +109,13 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, ids, a dict) as a batch of one; a list of prompts as it is."""
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     items = list(prompts)
     if not items:
-        raise ValueError("prompts must not be empty")
+        raise InvalidRequestError("prompt", "prompts must not be empty")
     if all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
     return items
@@ -133,5 +130,6 @@ def _as_params(
         return [sp] * n
     items = list(sp)
     if len(items) != n:
-        raise ValueError(f"sampling_params has {len(items)} entries for {n} prompts")
+        raise InvalidRequestError("sampling_params",
+                                  f"sampling_params has {len(items)} entries for {n} prompts")
     return items

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,16 @@ from kvloop.core.request import Request, RequestStatus
 from kvloop.core.scheduler import Scheduler
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
+from kvloop.engine.intake import (
+    EncodedPrompt,
+    EngineLimits,
+    PromptInput,
+    ValidatedRequest,
+    validate_request,
+)
 from kvloop.engine.outputs import RequestMetrics, RequestOutput
+from kvloop.engine.stats import EngineStats
+from kvloop.errors import InvalidRequestError
 from kvloop.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvloop.engine")
@@ -40,7 +49,11 @@ class _Tracked:
 
 
 class LLMEngine:
-    """Adds requests, runs steps, and turns scheduler progress into ``RequestOutput``s."""
+    """Adds requests, runs steps, and turns scheduler progress into ``RequestOutput``s.
+
+    Not thread-safe: one thread adds, aborts and steps. ``limits`` and ``validate`` are the
+    exceptions (immutable data, a pure function); ``stats()`` is the snapshot to hand out.
+    """
 
     def __init__(
         self,
@@ -55,9 +68,16 @@ class LLMEngine:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
+        """The model's ``Tokenizer``; None when the engine takes and returns token ids only."""
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
         self.clock = clock
+        cache = scheduler.cache_config
+        self.limits = EngineLimits(
+            max_model_len=scheduler.config.max_model_len,
+            kv_cache_tokens=cache.num_gpu_blocks * cache.block_size,
+            vocab_size=vocab_size,
+        )
+        """What every request must fit (fixed at construction; safe to read from any thread)."""
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._logged_failure = False
@@ -65,13 +85,14 @@ class LLMEngine:
     # -- construction ----------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs, *, recorder: StepRecorder | None = None) -> LLMEngine:
-        """A real engine: resolve the model, load tokenizer and weights, size the KV cache."""
+        """A real engine: resolve the model, load tokenizer (unless ``skip_tokenizer_init``)
+        and weights, size the KV cache."""
         from kvloop.engine.model_source import resolve_model
         from kvloop.engine.tokenizer import Tokenizer
         from kvloop.executor.torch import TorchModelRunner
 
         path = resolve_model(args.model)
-        tokenizer = Tokenizer(path)
+        tokenizer = None if args.skip_tokenizer_init else Tokenizer(path)
         runner = TorchModelRunner(
             str(path),
             dtype=args.dtype,
@@ -93,7 +114,9 @@ class LLMEngine:
             args.cache_config(runner.num_gpu_blocks, runner.num_cpu_blocks),
             recorder=recorder,
         )
-        eos = frozenset(mc.eos_token_ids) | tokenizer.eos_token_ids
+        eos = frozenset(mc.eos_token_ids)
+        if tokenizer is not None:
+            eos |= tokenizer.eos_token_ids
         return cls(
             scheduler, runner, tokenizer=tokenizer, eos_token_ids=eos, vocab_size=mc.vocab_size
         )
@@ -102,80 +125,63 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._ids))
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids (ValueError naming ``prompt``)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids: this engine has no tokenizer")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be integers")
-            if self.vocab_size is not None and any(t < 0 or t >= self.vocab_size for t in ids):
-                raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        return ids
-
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` (naming the field) for a request the engine can never run."""
-        params.validate()
-        cfg = self.scheduler.config
-        n = len(prompt_ids)
-        if n >= cfg.max_model_len:
-            raise ValueError(
-                f"prompt is {n} tokens, the model takes at most {cfg.max_model_len - 1} "
-                f"(max_model_len {cfg.max_model_len})"
-            )
-        if n + params.max_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} + prompt {n} tokens exceeds max_model_len "
-                f"{cfg.max_model_len}"
-            )
-        kv = self.scheduler.kv
-        if kv.blocks_needed(n + params.max_tokens) > kv.num_gpu_blocks:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} + prompt {n} tokens needs more KV blocks "
-                f"than the cache has ({kv.num_gpu_blocks} of {kv.block_size} tokens)"
-            )
+    def validate(
+        self,
+        prompt: PromptInput | EncodedPrompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ValidatedRequest:
+        """Check and encode a request against this engine's limits (``InvalidRequestError``
+        naming the field). Pure: safe on any thread; the engine is not touched."""
+        return validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
+                                priority=priority, cache_salt=cache_salt)
 
     def add_request(
         self,
         request_id: str | None,
-        prompt: str | Sequence[int],
+        prompt: PromptInput | ValidatedRequest,
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Invalid input raises ValueError
-        and leaves the engine untouched."""
-        params = params if params is not None else SamplingParams()
+        """Queue a request; returns its id.
+
+        ``prompt`` is a ``ValidatedRequest`` (from ``validate``: queued as is) or a raw prompt
+        (text, token ids or a vLLM prompt dict) validated here with ``params``, ``priority``
+        and ``cache_salt``. Invalid input raises ``InvalidRequestError`` and leaves the engine
+        untouched.
+        """
+        if isinstance(prompt, ValidatedRequest):
+            if params is not None or priority != 0 or cache_salt is not None:
+                raise TypeError("a ValidatedRequest already carries its params, priority and "
+                                "cache_salt")
+            vreq = prompt
+        else:
+            vreq = self.validate(prompt, params, priority=priority, cache_salt=cache_salt)
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self._tracked:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        ids = self.encode(prompt)
-        self.check_request(ids, params)
+            raise InvalidRequestError("request_id", f"request_id {rid!r} is already in use")
+        params = vreq.params
         request = Request(
             rid,
-            ids,
+            vreq.prompt_token_ids,
             params,
             arrival_time=self.clock() if arrival_time is None else arrival_time,
-            priority=priority,
-            cache_salt=cache_salt,
+            priority=vreq.priority,
+            cache_salt=vreq.cache_salt,
             eos_token_ids=self.eos_token_ids,
         )
         detok = None
         if self.tokenizer is not None:
-            detok = self.tokenizer.detokenizer(ids, params)
+            detok = self.tokenizer.detokenizer(vreq.prompt_token_ids, params)
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(
             request,
-            prompt if isinstance(prompt, str) else None,
+            vreq.prompt,
             detok,
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -203,6 +209,19 @@ class LLMEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._tracked)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of queues, KV usage and the scheduler's counters (O(1); take it on the
+        thread that steps the engine, then hand it anywhere)."""
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=s.num_waiting,
+            num_swapped=len(s.swapped),
+            num_unfinished=len(self._tracked),
+            kv_usage=s.kv.usage,
+            scheduler=EngineStats.copy_counters(s.stats),
+        )
 
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -135,14 +135,14 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival = engine.engine.clock()
+        arrival = engine.clock()
         admit(request)
         req = parse(CompletionRequest, await request.body())
         return await run(request, serving.prepare_completion(req, arrival))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival = engine.engine.clock()
+        arrival = engine.clock()
         admit(request)
         req = parse(ChatCompletionRequest, await request.body())
         return await run(request, serving.prepare_chat(req, arrival))

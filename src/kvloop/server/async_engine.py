@@ -1,14 +1,16 @@
 """The engine loop on a dedicated thread, and one async output stream per request.
 
 HTTP handlers run on the event loop; ``LLMEngine.step()`` runs on the engine thread. They
-meet in two places only:
+meet in three places only:
 
-* commands (add, abort) go to the engine thread through a deque guarded by a condition;
-  the thread applies them between steps and sleeps on the condition when it has no work
-  (no busy spinning);
+* typed commands (add a ``ValidatedRequest``, abort, abort all) go to the engine thread
+  through a deque guarded by a condition; the thread applies them between steps and sleeps
+  on the condition when it has no work (no busy spinning);
 * outputs come back once per step: the thread hands the step's whole batch to the event loop
   with one ``loop.call_soon_threadsafe``, which puts each output in its request's
-  ``asyncio.Queue``.
+  ``asyncio.Queue``;
+* after every step the thread publishes an ``EngineStats`` snapshot (under the condition's
+  lock) and feeds it to the metrics; the event loop reads that snapshot, never the engine.
 
 So HTTP handling never waits on a model step, and a step never waits on HTTP.
 """
@@ -20,13 +22,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvloop.engine.intake import EngineLimits, ValidatedRequest
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
-from kvloop.sampling_params import SamplingParams
+from kvloop.engine.stats import EngineStats
+from kvloop.errors import InvalidRequestError
 from kvloop.server.streams import (
     EngineStoppedError,
     Item,
@@ -45,14 +48,29 @@ __all__ = [
 
 logger = logging.getLogger("kvloop.server")
 
-@dataclass
-class _Add:
+
+@dataclass(frozen=True, slots=True)
+class AddCommand:
+    """Queue a validated request in the engine."""
+
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
+    request: ValidatedRequest
     arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCommand:
+    """Abort one request (a no-op if it already finished)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAllCommand:
+    """Abort every request the engine holds."""
+
+
+Command = AddCommand | AbortCommand | AbortAllCommand
 
 
 class AsyncEngine:
@@ -66,14 +84,25 @@ class AsyncEngine:
         metrics: Any | None = None,
     ) -> None:
         self.engine = engine
+        """The engine; once started, only the engine thread touches it. The event loop uses
+        the read-only ``limits``, ``tokenizer`` and ``clock`` below and the ``stats``
+        snapshot."""
+        self.limits: EngineLimits = engine.limits
+        """What every request must fit (immutable)."""
+        self.tokenizer: Any | None = engine.tokenizer
+        """The engine's tokenizer, for encoding on the event loop (None: token ids only)."""
+        self.clock = engine.clock
+        """The engine's clock (arrival times are on it)."""
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         """A ``ServerMetrics`` (or None): told about every step and every output."""
         self._cond = threading.Condition()
-        # NOTE: guarded by ``_cond``: _commands, _pending_adds, _stopping.
-        self._commands: deque[_Add | str | tuple[str, str]] = deque()
+        # NOTE: guarded by ``_cond``: _commands, _pending_adds, _stats, _stopping.
+        self._commands: deque[Command] = deque()
         self._pending_adds = 0
         """Adds not yet applied by the engine thread (they count as waiting)."""
+        self._stats: EngineStats = engine.stats()  # NOTE: no thread runs the engine yet
+        """The engine's latest snapshot, published by the engine thread."""
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}
         """Unfinished streams by request id (event loop only)."""
@@ -108,39 +137,38 @@ class AsyncEngine:
         """Requests added and not yet finished (event loop's view)."""
         return len(self._streams)
 
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot (taken by the engine thread after its last step)."""
+        with self._cond:
+            return self._stats
+
     # -- requests (event loop) -----------------------------------------------------------
     def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
+        self, request_id: str, request: ValidatedRequest, *, arrival_time: float | None = None
     ) -> RequestStream:
-        """Validate and queue a request; raises ValueError (bad input), QueueFullError or
-        EngineStoppedError and then leaves everything untouched."""
+        """Queue a validated request (``LLMEngine.validate`` / ``intake.validate_request``);
+        raises InvalidRequestError (id in use), QueueFullError or EngineStoppedError and then
+        leaves everything untouched."""
         if self.draining or not self.is_alive:
             raise EngineStoppedError("the server is shutting down" if self.draining
                                      else "the engine is not running")
-        ids = list(prompt_ids)
-        self.engine.check_request(ids, params)
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        arrival = arrival_time if arrival_time is not None else self.engine.clock()
+            raise InvalidRequestError("request_id", f"request_id {request_id!r} is already "
+                                      "in use")
+        arrival = arrival_time if arrival_time is not None else self.clock()
         stream = RequestStream(request_id, self.abort)
-        waiting = self.engine.scheduler.waiting
         with self._cond:
             limit = self.max_queued_requests
-            # NOTE: len() of the live waiting queue, read across threads, is atomic under the
-            # GIL; while the engine thread applies a batch of adds a request may be counted
-            # twice (pending and waiting) for a moment: the error is on the safe side.
-            if limit is not None and len(waiting) + self._pending_adds >= limit:
+            # NOTE: waiting = the last snapshot's queue + adds the engine thread has not
+            # applied yet. Adds applied at the start of the step in flight are in neither
+            # until that step ends, so the limit may be passed by one step's adds (a soft
+            # limit, like vLLM's); nothing here reads the scheduler across threads.
+            if limit is not None and self._stats.num_waiting + self._pending_adds >= limit:
                 raise QueueFullError(
                     f"the waiting queue is full ({limit} requests); retry later"
                 )
-            self._commands.append(_Add(request_id, ids, params, priority, cache_salt, arrival))
+            self._commands.append(AddCommand(request_id, request, arrival))
             self._pending_adds += 1
             self._cond.notify()
         self._streams[request_id] = stream
@@ -149,13 +177,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request at the engine's next step boundary; its blocks return to the pool."""
         self._streams.pop(request_id, None)
-        self._submit(("abort", request_id))
+        self._submit(AbortCommand(request_id))
 
     def abort_all(self) -> None:
         """Abort every request; their streams end with ``RequestAbortedError``."""
-        self._submit("abort_all")
+        self._submit(AbortAllCommand())
 
-    def _submit(self, command: str | tuple[str, str]) -> None:
+    def _submit(self, command: Command) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -196,32 +224,30 @@ class AsyncEngine:
         # NOTE: every stream gets a last item, so no handler waits forever: requests in the
         # engine and adds that never reached it end with an error.
         batch = [(c.request_id, RequestAbortedError("the server shut down"))
-                 for c in commands if isinstance(c, _Add)]
+                 for c in commands if isinstance(c, AddCommand)]
         self._fail_all(batch, RequestAbortedError("the server shut down"))
         self._send(batch)
 
-    def _apply(self, commands: list[_Add | str | tuple[str, str]], batch: list) -> None:
+    def _apply(self, commands: list[Command], batch: list) -> None:
         """Apply commands in order; each one's failure stays its own."""
         num_adds = 0
         try:
             for cmd in commands:
-                if isinstance(cmd, _Add):
+                if isinstance(cmd, AddCommand):
                     num_adds += 1
                     self._add(cmd, batch)
-                elif cmd == "abort_all":
+                elif isinstance(cmd, AbortAllCommand):
                     self._fail_all(batch, RequestAbortedError("the server aborted the request"))
                 else:
-                    self._abort(cmd[1])
+                    self._abort(cmd.request_id)
         finally:
             if num_adds:
                 with self._cond:
                     self._pending_adds -= num_adds
 
-    def _add(self, cmd: _Add, batch: list) -> None:
+    def _add(self, cmd: AddCommand, batch: list) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params,
-                                    priority=cmd.priority, cache_salt=cmd.cache_salt,
-                                    arrival_time=cmd.arrival_time)
+            self.engine.add_request(cmd.request_id, cmd.request, arrival_time=cmd.arrival_time)
         except ValueError as exc:
             batch.append((cmd.request_id, exc))
         except Exception as exc:
@@ -239,8 +265,6 @@ class AsyncEngine:
             if out.finished:
                 self._live.discard(out.request_id)
             batch.append((out.request_id, out))
-        if metrics is not None:
-            metrics.observe_step(self.engine.scheduler)
 
     def _abort(self, request_id: str) -> None:
         self._live.discard(request_id)
@@ -258,8 +282,12 @@ class AsyncEngine:
             batch.append((rid, error))
 
     def _publish(self) -> None:
+        """Hand the engine's snapshot to the event loop's side and to the metrics."""
+        stats = self.engine.stats()
+        with self._cond:
+            self._stats = stats
         if self.metrics is not None:
-            self.metrics.observe_state(self.engine.scheduler)
+            self.metrics.observe_stats(stats)
 
     def _send(self, batch: list[tuple[str, Item]]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():

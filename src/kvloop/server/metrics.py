@@ -1,9 +1,10 @@
 """Prometheus metrics named like vLLM's, with a ``kvloop:`` prefix (dashboards port by a rename).
 
-Everything is fed from the engine thread: gauges after every step and every batch of
-commands, token counters and ``inter_token_latency_seconds`` from each step's outputs, the
-per-request histograms from ``RequestOutput.metrics`` when a request finishes, and
-``iteration_tokens_total`` from the scheduler's token totals after each step. Every series
+Everything is fed from the engine thread: gauges and counters from the engine's
+``EngineStats`` snapshot after every step and every batch of commands, token counters and
+``inter_token_latency_seconds`` from each step's outputs, the per-request histograms from
+``RequestOutput.metrics`` when a request finishes, and ``iteration_tokens_total`` from the
+growth of the scheduler's token totals between snapshots. Every series
 carries a ``model_name`` label, as vLLM's do.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvloop.engine.outputs import RequestOutput
+from kvloop.engine.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -135,9 +137,10 @@ class ServerMetrics:
         if m.first_token_time is not None and m.first_scheduled_time is not None:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
 
-    def observe_step(self, scheduler: Any) -> None:
-        """After a completed step: per-step tokens and the scheduler's cumulative counters."""
-        st, t = scheduler.stats, self.totals
+    def observe_stats(self, stats: EngineStats) -> None:
+        """The engine's snapshot after a step or a batch of commands: gauges, and the
+        growth of its cumulative counters since the previous snapshot."""
+        st, t = stats.scheduler, self.totals
         tokens = st.num_prompt_tokens + st.num_generation_tokens
         if tokens > self._step_tokens:
             self.iteration_tokens.observe(tokens - self._step_tokens)
@@ -151,12 +154,8 @@ class ServerMetrics:
         if st.prefix_cache_hits > t.prefix_hits:
             self.prefix_hits.inc(st.prefix_cache_hits - t.prefix_hits)
             t.prefix_hits = st.prefix_cache_hits
-
-    def observe_state(self, scheduler: Any) -> None:
-        """Queue lengths and KV usage, after every step and every batch of commands."""
-        t = self.totals
-        t.running, t.waiting = len(scheduler.running), len(scheduler.waiting)
-        t.swapped, t.kv_usage = len(scheduler.swapped), scheduler.kv.usage
+        t.running, t.waiting = stats.num_running, stats.num_waiting
+        t.swapped, t.kv_usage = stats.num_swapped, stats.kv_usage
         self.running.set(t.running)
         self.waiting.set(t.waiting)
         self.swapped.set(t.swapped)

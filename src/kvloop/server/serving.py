@@ -1,7 +1,9 @@
 """From an OpenAI request body to engine input, and from engine outputs to responses.
 
-``prepare_*`` validate and tokenize on the event loop (a bad field is a 400 naming it, before
-the engine sees anything); ``submit`` queues the request; ``collect`` and ``stream`` turn its
+``prepare_*`` check the OpenAI-only fields, then encode and validate the request once on the
+event loop with ``intake.validate_request`` (a bad field is a 400 with ``param`` taken from
+``InvalidRequestError.field``, before the engine sees anything); ``submit`` hands the
+``ValidatedRequest`` to the engine thread; ``collect`` and ``stream`` turn its
 ``RequestOutput``s into one response body or into SSE chunks. Whatever ends a handler early
 (client disconnect, cancellation) aborts the request in the engine.
 """
@@ -14,6 +16,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvloop.engine.intake import (
+    EncodedPrompt,
+    ValidatedRequest,
+    default_max_tokens,
+    encode_prompt,
+    validate_request,
+)
+from kvloop.errors import InvalidRequestError
 from kvloop.sampling_params import SamplingParams
 from kvloop.server import formatting as fmt
 from kvloop.server.async_engine import (
@@ -27,7 +37,6 @@ from kvloop.server.errors import APIError, bad_request, error_body
 from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20
-_PARAMS = {f for f in SamplingParams.__dataclass_fields__}
 
 
 @dataclass
@@ -36,12 +45,10 @@ class Job:
 
     request_id: str
     chat: bool
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: ValidatedRequest
+    """What the engine runs: prompt ids, params, priority, cache salt."""
     stream: bool
     include_usage: bool
-    priority: int
-    cache_salt: str | None
     arrival_time: float
     num_top: int | None = None
     """Top logprobs per token (None: no logprobs)."""
@@ -56,12 +63,10 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        llm = engine.engine
-        self.tokenizer = llm.tokenizer
-        kv = llm.scheduler.kv
-        self.max_model_len = llm.scheduler.config.max_model_len
-        self.max_total_tokens = min(self.max_model_len, kv.num_gpu_blocks * kv.block_size)
-        """Longest prompt + output the engine can hold (context and KV pool)."""
+        self.tokenizer = engine.tokenizer
+        self.limits = engine.limits
+        """What a request must fit (the engine's, immutable)."""
+        self.max_model_len = self.limits.max_model_len
 
     # -- validation ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -82,12 +87,8 @@ class OpenAIServing:
                 raise bad_request("a list of prompts is not supported yet: send one request "
                                   "per prompt", "prompt")
             prompt = prompt[0]
-        try:
-            ids = self.engine.engine.encode(prompt)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from None
         num_top = _logprobs(req.logprobs, "logprobs")
-        return self._job(req, ids, req.max_tokens, "max_tokens", num_top, False, arrival)
+        return self._job(req, prompt, req.max_tokens, "max_tokens", num_top, False, arrival)
 
     def prepare_chat(self, req: ChatCompletionRequest, arrival: float) -> Job:
         self._common(req)
@@ -115,13 +116,12 @@ class OpenAIServing:
                 msg["name"] = m.name
             messages.append(msg)
         if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer: use /v1/completions with token ids")
+            raise bad_request("this model has no tokenizer (skip_tokenizer_init): use "
+                              "/v1/completions with token ids", "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
         except Exception as exc:  # no template, or the template rejected the conversation
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
-        if not ids:
-            raise bad_request("the conversation renders to no tokens", "messages")
         mt, mt_name = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             mt, mt_name = req.max_completion_tokens, "max_completion_tokens"
@@ -137,58 +137,60 @@ class OpenAIServing:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported yet", "logit_bias")
 
-    def _job(self, req: CompletionRequest | ChatCompletionRequest, ids: list[int],
+    def _job(self, req: CompletionRequest | ChatCompletionRequest, prompt: Any,
              max_tokens: int | None, mt_name: str, num_top: int | None, chat: bool,
              arrival: float) -> Job:
-        prompt_field = "messages" if chat else "prompt"
-        room = self.max_total_tokens - len(ids)
-        if max_tokens is None:
-            if room < 1:
-                raise bad_request(f"prompt is {len(ids)} tokens, the model takes at most "
-                                  f"{self.max_total_tokens - 1}", prompt_field)
-            max_tokens = room  # NOTE: like vLLM, the default is the rest of the context
-        elif max_tokens < 1:
-            raise bad_request(f"{mt_name} must be at least 1, got {max_tokens}", mt_name)
+        # NOTE: intake names its own fields; these are the OpenAI body's names for them.
+        names = {"prompt": "messages" if chat else "prompt", "max_tokens": mt_name}
         try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=_or(req.temperature, 1.0),
-                top_p=_or(req.top_p, 1.0),
-                top_k=_or(req.top_k, 0),
-                min_p=_or(req.min_p, 0.0),
-                seed=req.seed,
-                presence_penalty=_or(req.presence_penalty, 0.0),
-                frequency_penalty=_or(req.frequency_penalty, 0.0),
-                repetition_penalty=_or(req.repetition_penalty, 1.0),
-                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
-                stop_token_ids=list(req.stop_token_ids or ()),
-                ignore_eos=req.ignore_eos,
-                logprobs=num_top,
-            )
-            self.engine.engine.check_request(ids, params)
-        except ValueError as exc:
-            word = str(exc).split(" ", 1)[0]
-            param = mt_name if word == "max_tokens" else (
-                prompt_field if word == "prompt" else word if word in _PARAMS else None)
-            raise bad_request(str(exc), param) from None
+            enc = encode_prompt(prompt, self.limits, self.tokenizer)
+            params = self._params(req, enc, max_tokens, mt_name, num_top)
+            request = validate_request(enc, params, self.limits, tokenizer=self.tokenizer,
+                                       priority=req.priority, cache_salt=req.cache_salt)
+        except InvalidRequestError as exc:
+            field = names.get(exc.field, exc.field) if exc.field is not None else None
+            raise bad_request(exc.message, field) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         opts = req.stream_options
         usage = bool(opts and opts.include_usage)
-        return Job(rid, chat, ids, params, req.stream, usage, req.priority, req.cache_salt,
-                   arrival, num_top, usage and bool(opts and opts.continuous_usage_stats))
+        return Job(rid, chat, request, req.stream, usage, arrival, num_top,
+                   usage and bool(opts and opts.continuous_usage_stats))
+
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, enc: EncodedPrompt,
+                max_tokens: int | None, mt_name: str, num_top: int | None) -> SamplingParams:
+        """The body's sampling fields (``InvalidRequestError`` naming a bad one)."""
+        if max_tokens is None:
+            max_tokens = default_max_tokens(enc, self.limits)  # NOTE: vLLM's default
+        elif max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"{mt_name} must be at least 1, got "
+                                      f"{max_tokens}")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_p=_or(req.top_p, 1.0),
+            top_k=_or(req.top_k, 0),
+            min_p=_or(req.min_p, 0.0),
+            seed=req.seed,
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
+            stop_token_ids=list(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=num_top,
+        )
 
     # -- running -------------------------------------------------------------------------
     def submit(self, job: Job) -> RequestStream:
         try:
-            return self.engine.add_request(job.request_id, job.prompt_ids, job.params,
-                                           priority=job.priority, cache_salt=job.cache_salt,
+            return self.engine.add_request(job.request_id, job.request,
                                            arrival_time=job.arrival_time)
         except QueueFullError as exc:
             raise APIError(429, str(exc)) from None
         except EngineStoppedError as exc:
             raise APIError(503, str(exc)) from None
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, exc.field) from None
 
     def _decode(self, token_id: int) -> str:
         tok = self.tokenizer
@@ -230,7 +232,7 @@ class OpenAIServing:
         """SSE chunks of the request, then the usage chunk if asked, then ``[DONE]``."""
         rid, created, model = job.request_id, job.created, self.model_name
         comp_lp = fmt.CompletionLogprobs(self._decode, job.num_top or 0)
-        n_prompt, n_out = len(job.prompt_ids), 0
+        n_prompt, n_out = job.request.num_prompt_tokens, 0
         try:
             if job.chat:
                 yield fmt.sse(fmt.chat_chunk(rid, created, model,

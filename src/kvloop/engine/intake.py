@@ -1,0 +1,228 @@
+"""Validate once: a request becomes a ``ValidatedRequest`` here, and nowhere else.
+
+``validate_request`` encodes the prompt (text, token ids, or vLLM's ``{"prompt": ...}`` /
+``{"prompt_token_ids": [...]}`` dicts), checks the sampling parameters, priority and cache
+salt, and checks that prompt + output fit the engine's ``EngineLimits``. Every rejection is an
+``InvalidRequestError`` whose ``field`` names the bad input. Inner layers (the engine thread,
+the engine, the scheduler) trust the result; the scheduler keeps one last-line check.
+
+The functions are pure (limits and tokenizer are read-only), so the server calls them on its
+event loop and hands the validated object to the engine thread.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypedDict
+
+from kvloop.errors import InvalidRequestError
+from kvloop.sampling_params import SamplingParams
+
+__all__ = [
+    "EncodedPrompt",
+    "EngineLimits",
+    "InvalidRequestError",
+    "PromptInput",
+    "TextPrompt",
+    "TokensPrompt",
+    "ValidatedRequest",
+    "default_max_tokens",
+    "encode_prompt",
+    "validate_request",
+]
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's text prompt: ``{"prompt": "..."}`` (optionally with a ``cache_salt``)."""
+
+    prompt: str
+    cache_salt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's token prompt: ``{"prompt_token_ids": [...]}`` (optionally a ``cache_salt``)."""
+
+    prompt_token_ids: list[int]
+    cache_salt: str
+
+
+PromptInput = str | Sequence[int] | TextPrompt | TokensPrompt
+"""A prompt as callers give it: text, token ids, or one of vLLM's prompt dicts."""
+
+_DICT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+class Encoder(Protocol):
+    """What intake needs of a tokenizer."""
+
+    def encode(self, prompt: str) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What every request must fit; fixed when the engine is built (safe to share)."""
+
+    max_model_len: int
+    """Longest prompt + output, in tokens."""
+    kv_cache_tokens: int
+    """Tokens the device KV pool holds (blocks x block size): one request must fit alone."""
+    vocab_size: int | None = None
+    """Prompt token ids must be in ``[0, vocab_size)``; None: not checked."""
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Longest prompt + output the engine can ever run."""
+        return min(self.max_model_len, self.kv_cache_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    """A prompt after encoding and its own checks (``encode_prompt``), before the rest."""
+
+    prompt_token_ids: tuple[int, ...]
+    """Never empty; every id is in the vocabulary."""
+    prompt: str | None = None
+    """The prompt text, when it was given as text."""
+    cache_salt: str | None = None
+    """A ``cache_salt`` given inside a prompt dict."""
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """A request that passed ``validate_request``: what the engine queues, unchecked.
+
+    NOTE: build it only with ``validate_request`` (or ``LLMEngine.validate``); inner layers
+    trust it. ``params`` is the request's own copy, validated.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    """The encoded prompt (never empty)."""
+    params: SamplingParams
+    """Sampling parameters; ``max_tokens`` fits the limits with the prompt."""
+    prompt: str | None = None
+    """The prompt text, if it was given as text (reported in the final output)."""
+    priority: int = 0
+    """Scheduling priority (lower runs first under the ``priority`` policy)."""
+    cache_salt: str | None = None
+    """Isolates this request's prefix-cache entries from other salts."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the encoded prompt."""
+        return len(self.prompt_token_ids)
+
+
+def encode_prompt(
+    prompt: PromptInput, limits: EngineLimits, tokenizer: Encoder | None = None
+) -> EncodedPrompt:
+    """Encode and check a prompt alone (``InvalidRequestError`` with field ``prompt``)."""
+    salt = None
+    if isinstance(prompt, Mapping):
+        prompt, salt = _unpack(prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "prompt must not be empty")
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", "prompt must be token ids: this engine has no tokenizer "
+                "(skip_tokenizer_init)")
+        ids = tuple(tokenizer.encode(prompt))
+        if not ids:
+            raise InvalidRequestError("prompt", "prompt must not be empty (it encodes to no "
+                                      "tokens)")
+        return EncodedPrompt(ids, prompt, salt)
+    if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+        raise InvalidRequestError(
+            "prompt", "prompt must be text, token ids, {'prompt': str} or "
+            f"{{'prompt_token_ids': [int, ...]}}, got {type(prompt).__name__}")
+    ids = tuple(prompt)
+    if not ids:
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("prompt", "prompt_token_ids must be integers")
+    vocab = limits.vocab_size
+    if min(ids) < 0 or (vocab is not None and max(ids) >= vocab):
+        rule = f"in [0, {vocab})" if vocab is not None else ">= 0"
+        raise InvalidRequestError("prompt", f"prompt_token_ids must be {rule}")
+    return EncodedPrompt(ids, None, salt)
+
+
+def _unpack(prompt: Mapping[str, Any]) -> tuple[Any, str | None]:
+    extra = sorted(str(k) for k in prompt if k not in _DICT_KEYS)
+    if extra:
+        raise InvalidRequestError("prompt", f"unsupported prompt key(s): {', '.join(extra)} "
+                                  "(kvloop takes 'prompt' or 'prompt_token_ids')")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError("prompt", "a prompt dict needs exactly one of 'prompt' and "
+                                  "'prompt_token_ids'")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise InvalidRequestError("prompt", "'prompt' in a prompt dict must be text; give "
+                                  "token ids as 'prompt_token_ids'")
+    inner = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if "prompt_token_ids" in prompt and isinstance(inner, str):
+        raise InvalidRequestError("prompt", "'prompt_token_ids' must be a list of integers")
+    return inner, prompt.get("cache_salt")
+
+
+def default_max_tokens(prompt: EncodedPrompt, limits: EngineLimits) -> int:
+    """The rest of the context after ``prompt`` (vLLM's default ``max_tokens``), at least 1
+    so that a prompt too long is reported as such by ``validate_request``."""
+    return max(1, limits.max_total_tokens - len(prompt.prompt_token_ids))
+
+
+def validate_request(
+    prompt: PromptInput | EncodedPrompt,
+    params: SamplingParams | None,
+    limits: EngineLimits,
+    *,
+    tokenizer: Encoder | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> ValidatedRequest:
+    """The one check of a request: encode, validate, fit to ``limits``.
+
+    ``prompt`` may be already encoded by ``encode_prompt`` (the server does that first, to
+    derive the default ``max_tokens``); it is not checked again. Raises
+    ``InvalidRequestError`` naming the field.
+    """
+    enc = prompt if isinstance(prompt, EncodedPrompt) else encode_prompt(
+        prompt, limits, tokenizer)
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise InvalidRequestError("sampling_params", "sampling_params must be SamplingParams, "
+                                  f"got {type(params).__name__}")
+    else:
+        params = copy.copy(params)  # NOTE: the request owns what was validated
+        params.stop = list(params.stop)
+        params.stop_token_ids = list(params.stop_token_ids)
+    params.validate()
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError("stop", "stop strings need a tokenizer (this engine has "
+                                  "none: skip_tokenizer_init); use stop_token_ids")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError("priority", f"priority must be an integer, got {priority!r}")
+    salt = cache_salt if cache_salt is not None else enc.cache_salt
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string, "
+                                  f"got {salt!r}")
+    _check_fits(len(enc.prompt_token_ids), params.max_tokens, limits)
+    return ValidatedRequest(enc.prompt_token_ids, params, enc.prompt, priority, salt)
+
+
+def _check_fits(n: int, max_tokens: int, limits: EngineLimits) -> None:
+    limit, max_len, kv = limits.max_total_tokens, limits.max_model_len, limits.kv_cache_tokens
+    if n >= limit:
+        raise InvalidRequestError(
+            "prompt", f"prompt is {n} tokens, the model takes at most {limit - 1} "
+            f"(max_model_len {max_len}, KV cache {kv} tokens)")
+    if n + max_tokens > max_len:
+        raise InvalidRequestError(
+            "max_tokens", f"max_tokens {max_tokens} + prompt {n} tokens exceeds max_model_len "
+            f"{max_len}")
+    if n + max_tokens > kv:
+        raise InvalidRequestError(
+            "max_tokens", f"max_tokens {max_tokens} + prompt {n} tokens needs more KV blocks "
+            f"than the cache has ({kv} tokens)")
