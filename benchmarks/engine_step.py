@@ -46,15 +46,17 @@ class NullExecutor:
 
 def run_once(n: int, prompt_len: int, steps: int, tokenizer: Any | None) -> float:
     """µs per running request per decode step, over ``steps`` timed steps."""
-    max_len = prompt_len + steps + 64
+    budget = max(65536, prompt_len)
+    # Requests prefilled first decode while the others prefill: none may finish.
+    max_tokens = steps + 32 + -(-n * prompt_len // budget)
+    max_len = prompt_len + max_tokens + 1
     blocks = n * (-(-max_len // BLOCK) + 1)
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max(65536, prompt_len), max_num_seqs=n,
-                        max_model_len=max_len),
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=n, max_model_len=max_len),
         CacheConfig(block_size=BLOCK, num_gpu_blocks=blocks, enable_prefix_caching=True),
     )
     engine = LLMEngine(sched, NullExecutor(), tokenizer=tokenizer, vocab_size=None)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(n):
         # Distinct from the first block on, so nothing is shared through the prefix cache.
         prompt = [10 + i % 1000, 10 + i // 1000] + [(i * 7 + j) % 30000 + 5

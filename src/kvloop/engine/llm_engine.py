@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvloop.core.interface import Executor
+from kvloop.core.loop import run_step
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.scheduler import Scheduler
 from kvloop.core.stats import StepRecorder
@@ -226,23 +227,17 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that progressed or finished."""
-        out = self.scheduler.schedule()
-        try:
-            result = self.executor.execute(out)
-        except Exception as exc:
-            if not self._logged_failure:
-                logger.exception("model step failed; failing the requests of that step")
-                self._logged_failure = True
-            failed = self.scheduler.abandon_step(out, f"model step failed: {exc!r}")
-            tracked = self._tracked
-            return [self._progress(tracked[r.request_id], r, None)
-                    for r in failed if r.request_id in tracked]
-        touched = self.scheduler.update_from_output(out, result)
-        logprobs = result.logprobs
+        result = run_step(self.scheduler, self.executor)
+        if result.error is not None and not self._logged_failure:
+            logger.error("model step failed; failing the requests of that step",
+                         exc_info=result.error)
+            self._logged_failure = True
+        runner = result.runner_output
+        logprobs = runner.logprobs if runner is not None else None
         tracked = self._tracked
         progress = self._progress
         outputs = []
-        for req in touched:
+        for req in result.touched:  # on failure: the failed requests
             t = tracked.get(req.request_id)
             if t is not None:
                 outputs.append(progress(t, req, logprobs.get(req.request_id) if logprobs else None))
