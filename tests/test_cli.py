@@ -115,3 +115,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         assert needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_model_flags_reach_engine_args():
+    import argparse
+
+    from kvloop.cli.args import add_model_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = engine_args_from(p.parse_args(["--skip-tokenizer-init", "--max-num-seqs", "3"]))
+    assert args.skip_tokenizer_init is True and args.max_num_seqs == 3
+    assert engine_args_from(p.parse_args([])).skip_tokenizer_init is False

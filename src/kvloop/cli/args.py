@@ -91,6 +91,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts and outputs are token ids")
     add_scheduler_args(p)
 
 
