@@ -234,13 +234,13 @@ def fitted_efficiency(profile: str) -> DeviceEfficiency:
 
 
 KVLOOP_OVERHEAD = EngineOverhead(
-    step_s=5.7e-4,
-    seq_s=2.6e-5,
+    step_s=3.57e-4,
+    seq_s=1.88e-5,
     token_s=0.0,
     source=(
-        "kvloop's engine loop (7 µs + 10.4 µs/request) and model runner host work (565 µs + "
-        "15.5 µs/request), benchmarks/engine_overhead.py on a 2-core Xeon VM (AVX-512), "
-        "2026-11-30; kernel launches not included"
+        "kvloop's engine loop (8.4 µs + 5.9 µs/request) and model runner host work (349 µs + "
+        "12.9 µs/request), benchmarks/engine_overhead.py on a 2-core Xeon VM (AVX-512), "
+        "2026-11-30, after outputs became deltas; kernel launches not included"
     ),
 )
 """kvloop's own engine: nothing of it overlaps the device's work."""
