@@ -142,3 +142,34 @@ def test_step_outputs_are_deltas_and_the_final_one_is_whole():
     assert final is not None and final.token_ids == seen and len(seen) == 9
     assert final.prompt_token_ids == prompt
     assert final.metrics is not None and e.snapshot("r") is None
+
+
+class _BrokenDetokenizer:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def add(self, ids):
+        if self.fail:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return "x" * len(ids), False
+
+    def flush(self):
+        return ""
+
+
+class _Tokenizer:
+    """Detokenizers that raise for prompts starting with token 13."""
+
+    def detokenizer(self, ids, params):
+        return _BrokenDetokenizer(ids[0] == 13)
+
+
+def test_an_engine_error_on_one_request_fails_that_request_only():
+    e = _engine()
+    e.tokenizer = _Tokenizer()
+    e.add_request("bad", [13, 5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    e.add_request("good", [14, 5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    done = _drain(e)
+    assert done["bad"].finish_reason == "error" and "UnicodeDecodeError" in done["bad"].error
+    assert done["good"].finish_reason == "length" and done["good"].text == "xxxx"
+    e.scheduler.check_invariants()

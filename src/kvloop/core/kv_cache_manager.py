@@ -196,6 +196,13 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         return pairs
 
+    def drop_swapped(self, request: Request) -> int:
+        """Forget a swapped-out request's host copy (a failed step may never have written
+        it); returns how many host blocks were released."""
+        host = self.swapped_blocks.pop(request.request_id)
+        self.cpu_free.extend(host)
+        return len(host)
+
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
         host = self.swapped_blocks.get(request.request_id, ())
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)

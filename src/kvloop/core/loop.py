@@ -32,8 +32,10 @@ class StepResult:
 def run_step(scheduler: Scheduler, executor: Executor) -> StepResult:
     """Schedule one step, run it on ``executor`` and apply its results.
 
-    NOTE: if the executor raises, only the requests scheduled in this step fail (with
-    ``"model step failed: <exc>"``); the scheduler stays consistent and the loop goes on.
+    NOTE: if the executor raises, or applying its results does, only the requests of this
+    step fail (``"model step failed: <exc>"``; ``Scheduler.abandon_step``); the scheduler
+    stays consistent and the loop goes on. ``schedule()`` undoes its own decisions before
+    it raises.
     """
     out = scheduler.schedule()
     try:
@@ -41,4 +43,11 @@ def run_step(scheduler: Scheduler, executor: Executor) -> StepResult:
     except Exception as exc:
         failed = scheduler.abandon_step(out, f"model step failed: {exc!r}")
         return StepResult(out, None, failed, failed, exc)
-    return StepResult(out, result, scheduler.update_from_output(out, result), [])
+    try:
+        touched = scheduler.update_from_output(out, result)
+    except Exception as exc:
+        if not scheduler.step_pending:
+            raise  # the results were applied; what failed came after (the step's record)
+        failed = scheduler.abandon_step(out, f"engine error applying the step: {exc!r}")
+        return StepResult(out, None, failed, failed, exc)
+    return StepResult(out, result, touched, [])

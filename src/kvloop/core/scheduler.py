@@ -175,9 +175,16 @@ class Scheduler:
         if self._step is not None:
             raise RuntimeError("schedule() called twice without update_from_output()")
         b = self._step = StepBuilder(self.config.max_num_batched_tokens, self.clock())
-        for schedule_pass in self._passes:
-            schedule_pass(b)
-        return self._build_output(b)
+        try:
+            for schedule_pass in self._passes:
+                schedule_pass(b)
+            return self._build_output(b)
+        except BaseException as exc:
+            # NOTE: blocks were allocated, swapped and freed as decided; none of it will
+            # run, so the decisions are undone the way a failed step's are.
+            self._step = None
+            self._abandon(b, f"scheduler error: {exc!r}")
+            raise
 
     def _build_output(self, b: StepBuilder) -> SchedulerOutput:
         requests, scheduled, admitted = self.requests, b.scheduled, b.admitted
@@ -438,7 +445,8 @@ class Scheduler:
         b = self._step
         if b is None:
             raise RuntimeError("update_from_output() without a scheduled step")
-        self._step = None
+        # NOTE: the step stays pending until its results are applied: if this raises
+        # half-way, ``abandon_step`` can still fail its requests (``step_pending``).
         now = self.clock()
         sampled = runner_output.sampled_token_ids
         requests = self.requests
@@ -501,6 +509,7 @@ class Scheduler:
         stats.num_steps += 1
         stats.num_generation_tokens += gen_tokens
         stats.num_prompt_tokens += scheduler_output.total_num_scheduled_tokens - num_decodes
+        self._step = None
         usage = kv.usage
         stats.kv_usage_sum += usage
         if usage > stats.kv_usage_peak:
@@ -517,19 +526,51 @@ class Scheduler:
         return touched
 
     def abandon_step(self, scheduler_output: SchedulerOutput, error: str) -> list[Request]:
-        """The executor failed this step: finish its requests with ``error`` (others are
-        untouched and the loop goes on). Returns the failed requests."""
-        if self._step is None:
+        """The executor failed this step: finish its requests with ``error``, restore the
+        ones it swapped out, and go on. Returns the failed requests.
+
+        NOTE: every request whose KV the step may have touched ends failed or exactly
+        restored, never silently wrong: the scheduled ones (chunks, decodes, swap-ins) fail;
+        the ones swapped out in this step may have host blocks that were never written (the
+        step can die before its copies), so they are preempted by recompute instead, from
+        their tokens. Their device blocks keep only hashes of KV computed in earlier,
+        successful steps, and blocks reused in this step lost their hashes when handed out.
+        """
+        b = self._step
+        if b is None:
             raise RuntimeError("abandon_step() without a scheduled step")
         self._step = None
+        return self._abandon(b, error)
+
+    @property
+    def step_pending(self) -> bool:
+        """A step was scheduled and its results are not applied yet."""
+        return self._step is not None
+
+    def _abandon(self, b: StepBuilder, error: str) -> list[Request]:
         failed = []
-        for rid in scheduler_output.num_scheduled_tokens:
+        # NOTE: swapped-in requests too, even if a failed schedule() did not charge them yet.
+        for rid in dict.fromkeys([*b.scheduled, *b.pinned]):
             req = self.requests.get(rid)
-            if req is not None and req.status == _RUNNING:
+            if req is not None and req.status is _RUNNING:
                 req.error = error
                 self.running.remove(req)
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 failed.append(req)
+        for rid, mode in b.preempted:
+            req = self.requests.get(rid)
+            if mode == "swap" and req is not None and req.status is RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                released = self.kv.drop_swapped(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.add(req)
+                # NOTE: the executor kept its state for the swap-in that will not come.
+                self._finished_ids.append(rid)
+                st = self.stats
+                st.num_swap_preemptions -= 1
+                st.num_recompute_preemptions += 1
+                st.num_blocks_swapped_out -= released
         self.step_index += 1
         return failed
 

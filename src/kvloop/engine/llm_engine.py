@@ -239,9 +239,25 @@ class LLMEngine:
         outputs = []
         for req in result.touched:  # on failure: the failed requests
             t = tracked.get(req.request_id)
-            if t is not None:
+            if t is None:
+                continue
+            try:
                 outputs.append(progress(t, req, logprobs.get(req.request_id) if logprobs else None))
+            except Exception as exc:  # e.g. detokenization: this request fails, not the step
+                logger.exception("engine error on request %s; failing it", req.request_id)
+                outputs.append(self._fail(t, req, f"engine error: {exc!r}"))
         return outputs
+
+    def _fail(self, tracked: _Tracked, req: Request, error: str) -> RequestOutput:
+        """Finish one request with ``error`` (its blocks return to the pool at once)."""
+        if not req.is_finished:
+            req.error = error
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+        elif req.error is None:
+            req.error = error
+            req.status = RequestStatus.FINISHED_ERROR
+        self._tracked.pop(req.request_id, None)
+        return self._final(tracked, [], "", None)
 
     def _progress(
         self, tracked: _Tracked, req: Request, new_logprobs: list[dict[int, float]] | None
