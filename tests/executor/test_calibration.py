@@ -148,3 +148,10 @@ def test_simulate_with_a_calibration(tmp_path, capsys) -> None:
                           (["-tp", "2"], "--tensor-parallel-size must be 1")):
         assert main(["simulate", "--calibration", str(path), "--num-requests", "5", *extra]) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_step_tables_are_monotone_and_positive():
+    from kvloop.executor.simulated.fitting import _monotone
+
+    assert _monotone([0.0, 2.0, 1.5, 3.0]) == (2.0, 2.0, 2.0, 3.0)
+    assert _monotone([1.0, 1.0]) == (1.0, 1.0)

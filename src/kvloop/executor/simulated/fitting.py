@@ -166,8 +166,8 @@ def fit_calibration(
         launch_s=float(launch), chunk_s=float(fit.x[2]),
     )
     tables = StepTables(
-        tokens=tuple(tokens), token_time_s=tuple(s for _, s in m.token_work),
-        seqs=tuple(s for s, _ in m.seq_work), seq_time_s=tuple(t for _, t in m.seq_work),
+        tokens=tuple(tokens), token_time_s=_monotone([s for _, s in m.token_work]),
+        seqs=tuple(s for s, _ in m.seq_work), seq_time_s=_monotone([t for _, t in m.seq_work]),
     )
 
     def device(attention: AttentionCurve, bw: float) -> HardwareSpec:
@@ -235,3 +235,17 @@ def _fit_steps(
         "and the engine loop",
     )
     return attention, bandwidth, overhead
+
+
+def _monotone(times: list[float]) -> tuple[float, ...]:
+    """Measured times by growing size, made non-decreasing and positive.
+
+    NOTE: more tokens (or requests) never cost less; a smaller reading is noise (a stall
+    in a subtracted part, or a clip at zero), so each entry is raised to the largest before
+    it, and leading zeros take the first positive value."""
+    out, best = [], 0.0
+    for t in times:
+        best = max(best, t)
+        out.append(best)
+    first = next((t for t in out if t > 0), 1e-9)
+    return tuple(t if t > 0 else first for t in out)
