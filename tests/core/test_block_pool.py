@@ -20,8 +20,8 @@ def test_free_queue_pops_in_insertion_order():
     q = FreeBlockQueue(blocks)
     assert len(q) == 4
     assert ids(q) == [0, 1, 2, 3]
-    assert q.popleft() is blocks[0]
-    assert q.popleft() is blocks[1]
+    assert q.popleft_n(1)[0] is blocks[0]
+    assert q.popleft_n(1)[0] is blocks[1]
     assert len(q) == 2
     assert ids(q) == [2, 3]
 
@@ -38,19 +38,19 @@ def test_free_queue_remove_from_middle_and_append_at_tail():
     q.append(blocks[2])
     q.append(blocks[0])
     assert ids(q) == [1, 3, 2, 0] and len(q) == 4
-    assert ids(q.popleft() for _ in range(4)) == [1, 3, 2, 0]
+    assert ids(q.popleft_n(1)[0] for _ in range(4)) == [1, 3, 2, 0]
     assert len(q) == 0 and list(q) == []
 
 
 def test_free_queue_popleft_on_empty_raises():
     q = FreeBlockQueue([])
-    with pytest.raises(RuntimeError, match="no free KV block"):
-        q.popleft()
+    with pytest.raises(RuntimeError, match="asked for 1 blocks, 0 free"):
+        q.popleft_n(1)[0]
     b = KVBlock(0)
     q.append(b)
-    q.popleft()
+    q.popleft_n(1)[0]
     with pytest.raises(RuntimeError):
-        q.popleft()
+        q.popleft_n(1)[0]
     assert len(q) == 0
 
 
@@ -59,7 +59,7 @@ def test_free_queue_remove_non_member_raises():
     stranger = KVBlock(7)
     with pytest.raises(RuntimeError, match="not in the free queue"):
         q.remove(stranger)
-    popped = q.popleft()
+    popped = q.popleft_n(1)[0]
     with pytest.raises(RuntimeError):
         q.remove(popped)  # already out
     assert len(q) == 1 and ids(q) == [1]

@@ -122,6 +122,8 @@ def test_block_hashes_are_sha256_of_the_parent_and_the_token_bytes():
     import hashlib
     import struct
 
+    from kvloop.core.prefix_hash import block_hash, root_hash
+
     r = Request("x", [1, 2, 3, 50000, 5, 6, 7, 8, 9], cache_salt="t")
     got = r.update_block_hashes(4)
     parent = hashlib.sha256(b"kvloop-prefix-v1\0t").digest()
@@ -129,6 +131,7 @@ def test_block_hashes_are_sha256_of_the_parent_and_the_token_bytes():
         block = r.prompt_token_ids[4 * i:4 * i + 4]
         parent = hashlib.sha256(parent + struct.pack("<4q", *block)).digest()
         assert h == parent
+        assert block_hash(got[i - 1] if i else root_hash("t"), block) == h
     assert len(got) == 2 and len(got[0]) == 32
 
 

@@ -88,3 +88,43 @@ def test_partial_prefills_are_counted_once_in_both_orders():
         assert s._num_partial(s._step) == _partial_after_step(s, out) == 2, order
         s.update_from_output(out, ex.execute(out))
         s.check_invariants()
+
+
+def test_one_token_prefill_chunks_reach_the_prefix_cache():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=4, num_gpu_blocks=64)
+    ex = FakeExecutor()
+    for rid in "acd":
+        s.add_request(req(rid, 2, 60))
+    for _ in range(2):
+        out = s.schedule()
+        s.update_from_output(out, ex.execute(out))
+    prompt = list(range(100, 109))
+    s.add_request(req("b", 9, 1, prompt=prompt))
+    for _ in range(12):  # three decodes leave b one token per step
+        out = s.schedule()
+        s.update_from_output(out, ex.execute(out))
+        s.check_invariants()
+        if "b" not in s.requests:
+            break
+    assert "b" not in s.requests, "b did not finish"
+    again = req("e", 9, 1, prompt=prompt)
+    assert len(s.kv.get_computed_blocks(again)) == 2  # (9 - 1) // 4 full blocks
+
+
+def test_prefill_first_gives_back_an_admission_instead_of_preempting_it():
+    s = make_scheduler(block_size=4, num_gpu_blocks=4, scheduling_order="prefill-first",
+                       max_num_batched_tokens=64)
+    ex = FakeExecutor()
+    s.add_request(req("a", 4, 10))
+    out = s.schedule()
+    s.update_from_output(out, ex.execute(out))  # a decodes next, at a block boundary
+    b = req("b", 12, 1)
+    s.add_request(b)  # admitted first (prefill-first), taking the last three blocks
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert not out.new_requests and not out.preempted_request_ids
+    assert b.status.name == "WAITING" and b.first_scheduled_time is None
+    assert b.num_preemptions == 0 and s.stats.num_preemptions == 0
+    assert s.stats.prefix_cache_queries == 4  # a's lookup only
+    s.update_from_output(out, ex.execute(out))
+    s.check_invariants()

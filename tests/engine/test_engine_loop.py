@@ -173,3 +173,15 @@ def test_an_engine_error_on_one_request_fails_that_request_only():
     assert done["bad"].finish_reason == "error" and "UnicodeDecodeError" in done["bad"].error
     assert done["good"].finish_reason == "length" and done["good"].text == "xxxx"
     e.scheduler.check_invariants()
+
+
+def test_a_request_the_scheduler_refuses_is_an_error_not_a_hang():
+    from kvloop.engine.intake import EngineLimits, validate_request
+    from kvloop.errors import InvalidRequestError
+
+    e = _engine(num_gpu_blocks=4)
+    big = validate_request([5] * 10, SamplingParams(max_tokens=20), EngineLimits(256, 10**6))
+    with pytest.raises(InvalidRequestError) as err:
+        e.add_request("r", big)
+    assert err.value.field == "max_tokens" and "KV blocks" in str(err.value)
+    assert not e.has_unfinished_requests() and e.scheduler.kv.num_used_blocks == 0

@@ -38,13 +38,6 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free
 
-    def popleft(self) -> KVBlock:
-        block = self._head.next
-        if block is self._tail or block is None:
-            raise RuntimeError("no free KV block left")
-        self.remove(block)
-        return block
-
     def popleft_n(self, n: int) -> list[KVBlock]:
         """Take the ``n`` least recently freed blocks, unlinked in one splice."""
         if n > self.num_free:

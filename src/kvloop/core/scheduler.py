@@ -333,7 +333,8 @@ class Scheduler:
             remaining = req.num_tokens - num_hit
             n = self._chunk(remaining, b.budget)
             if n < remaining:
-                if not cfg.enable_chunked_prefill and remaining <= cfg.max_num_batched_tokens:
+                # NOTE: without chunking the budget covers max_model_len (config check).
+                if not cfg.enable_chunked_prefill:
                     waiting.add_front([req])  # wait for a step with room for all of it
                     break
                 if self._num_partial(b) >= cfg.max_num_partial_prefills:
@@ -402,16 +403,17 @@ class Scheduler:
     def _preempt(self, victim: Request, b: StepBuilder) -> None:
         """Take ``victim`` (already chosen) off the device; undo its share of this step."""
         rid = victim.request_id
+        if rid in b.admitted:
+            self._unadmit(victim, b)
+            return
         self.running.remove(victim)
         self._prefilling.discard(rid)
-        admitted_now = rid in b.admitted
         b.uncharge(rid)
         # NOTE: a step never both swaps in and swaps out, so host blocks released by a
         # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
         swap = (
             self.config.preemption_mode == "swap"
             and not b.swap_in
-            and not admitted_now
             and victim.num_computed_tokens > 0
             and self.kv.can_swap_out(victim)
         )
@@ -433,6 +435,33 @@ class Scheduler:
             self.stats.num_recompute_preemptions += 1
             b.preempted.append((rid, "recompute"))
         b.preempted_ids.add(rid)
+
+    def _unadmit(self, req: Request, b: StepBuilder) -> None:
+        """Undo an admission made earlier in this step (prefill-first, when the running
+        pass needs its blocks): the request waits again as if it had never been popped,
+        with no preemption counted and no prefix lookup or recompute charged."""
+        rid = req.request_id
+        num_hit = b.admitted[rid]
+        self.running.remove(req)
+        self._prefilling.discard(rid)
+        b.uncharge(rid)
+        self.kv.free(req)
+        st = self.stats
+        if req.num_preemptions == 0:
+            st.prefix_cache_queries -= req.num_tokens
+            st.prefix_cache_hits -= num_hit
+            b.prefix_queries -= req.num_tokens
+            b.prefix_hits -= num_hit
+            req.first_scheduled_time = None  # NOTE: a first admission set it in this step
+            req.status = RequestStatus.WAITING
+        else:
+            st.recompute_prefix_hits -= num_hit
+            recomputed = max(0, req.num_tokens - 1 - num_hit)
+            req.num_recomputed_tokens -= recomputed
+            st.num_recomputed_tokens -= recomputed
+            req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.add_front([req])
 
     # -- after the step --------------------------------------------------------------
     def update_from_output(
@@ -464,6 +493,8 @@ class Scheduler:
                 chunked.append(req)
             outputs = req.output_token_ids
             if computed < req.num_prompt_tokens + len(outputs):
+                if n == 1:
+                    chunked.append(req)  # a one-token prefill chunk
                 continue
             tokens = sampled.get(rid)
             if not tokens:

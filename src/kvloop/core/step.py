@@ -60,7 +60,8 @@ class StepBuilder:
 
     def charge(self, req: Request, n: int, remaining: int, new_ids: list[int]) -> None:
         """Schedule ``n`` of the request's ``remaining`` tokens with ``new_ids`` as the
-        blocks added to its table: the one place a request's share of a step is recorded."""
+        blocks added to its table: the one place a request's share of a step is recorded
+        (``charge_decodes`` is the same for many decodes at once)."""
         rid = req.request_id
         self.scheduled[rid] = n
         self.budget -= n

@@ -180,6 +180,10 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = self.tokenizer.detokenizer(vreq.prompt_token_ids, params)
         self.scheduler.add_request(request)
+        if request.is_finished:
+            # NOTE: refused by the scheduler's own check (a ValidatedRequest made under other
+            # limits): an error now, or it would never be reported and never finish.
+            raise InvalidRequestError("max_tokens", request.error or "the request cannot run")
         self._tracked[rid] = _Tracked(
             request,
             vreq.prompt,

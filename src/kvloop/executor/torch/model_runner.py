@@ -1,7 +1,7 @@
 """The real executor: runs scheduled steps of a Hugging Face model on CPU or CUDA.
 
 Per step: forget finished / recompute-preempted requests, apply the scheduler's block
-copies (swap out, swap in, copy-on-write), lay out the step's tokens (decodes first, then
+copies (swap out, then swap in), lay out the step's tokens (decodes first, then
 prefill chunks), run one forward pass over all of them, and sample one token for every
 request whose known tokens are all computed by this step.
 """
