@@ -16,7 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="generate completions with a real model",
         description="Generate with kvloop's engine (default: the embedded SmolLM2-135M).",
     )
-    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeat for a batch); with --skip-tokenizer-init, token ids "
+                   "separated by commas or spaces")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     s = p.add_argument_group("sampling")
@@ -57,6 +59,18 @@ def run(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
     )
     ea = engine_args_from(args)
+    prompts: list = args.prompt
+    if ea.skip_tokenizer_init:
+        if args.chat:
+            print("kvloop: error: --chat needs a tokenizer (drop --skip-tokenizer-init)",
+                  file=sys.stderr)
+            return 2
+        try:
+            prompts = [[int(t) for t in p.replace(",", " ").split()] for p in args.prompt]
+        except ValueError:
+            print("kvloop: error: --prompt must be token ids (e.g. 1,2,3) with "
+                  "--skip-tokenizer-init", file=sys.stderr)
+            return 2
     llm = LLM(**vars(ea), trace_out=args.trace_out)
     if args.chat:
         convs = []
@@ -65,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             convs.append([*msgs, {"role": "user", "content": prompt}])
         outputs = llm.chat(convs, params, use_tqdm=False)
     else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     llm.close()
     for out in outputs:
         if args.json:
@@ -82,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
                     }
                 )
             )
+        elif ea.skip_tokenizer_init:
+            print(" ".join(map(str, out.token_ids or [])))
         else:
             print(out.text)
         if out.error:
