@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvloop.errors import InvalidRequestError
@@ -40,6 +41,8 @@ class SamplingParams:
     """Keep generating past the model's EOS token."""
     logprobs: int | None = None
     """Return this many top log-probabilities per output token (None: none)."""
+    n: int = 1
+    """Output sequences to sample from the prompt (they share its KV blocks)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,14 +54,17 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
+            # NOTE: NaN and ±Infinity are refused alike (JSON bodies can carry both).
             _check(isinstance(value, int | float) and not isinstance(value, bool)
-                   and value == value, name, "must be a number", value)
+                   and math.isfinite(value), name, "must be a finite number", value)
         _check(
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
             "max_tokens",
             "must be an integer >= 1",
             self.max_tokens,
         )
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+               "n", "must be an integer >= 1", self.n)
         _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
         _check(

@@ -49,7 +49,7 @@ class SchedulerOutput:
 
     NOTE: executors apply, in this order: forget ``finished_request_ids`` and the
     recompute-preempted ids in ``preempted_request_ids``, ``blocks_to_swap_out``,
-    ``blocks_to_swap_in``, then the forward pass. A step never has both
+    ``blocks_to_swap_in``, ``blocks_to_copy``, then the forward pass. A step never has both
     swap-ins and swap-outs, so the two copy lists never touch the same blocks.
     """
 
@@ -63,6 +63,9 @@ class SchedulerOutput:
     """(device block, host block) pairs to copy device -> host."""
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block, device block) pairs to copy host -> device."""
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) device blocks to duplicate: the partial last prompt block of
+    a sequence group, copied for each sibling forked from it (copy on write)."""
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests finished or aborted since the previous step: drop their state."""
     preempted_request_ids: list[str] = field(default_factory=list)

@@ -164,6 +164,35 @@ class KVCacheManager:
             out[rid] = [block.block_id]
         return out
 
+    def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]] | None:
+        """Give each child the parent's computed KV: its full blocks shared (ref counts),
+        its partial last block copied into a new block. Returns the (source, destination)
+        copies, or None, changing nothing, if the free blocks do not cover the copies and
+        one more slot for every sequence."""
+        rid = parent.request_id
+        blocks = self.req_blocks[rid]
+        computed = parent.num_computed_tokens
+        num_full, partial = divmod(computed, self.block_size)
+        # NOTE: each child takes one new block: its copy of the partial block (which has a
+        # free slot for the next token) or, at a block boundary, a block for that token;
+        # the parent may need one too. Checked up front so that a fork never half-happens.
+        parent_need = max(0, -(-(computed + 1) // self.block_size) - len(blocks))
+        if len(children) + parent_need > self.pool.free_queue.num_free:
+            return None
+        shared = blocks[:num_full]
+        copies = []
+        registered = min(self._num_registered[rid], num_full)
+        for child in children:
+            self.pool.touch(shared)
+            table = list(shared)
+            if partial:
+                (new,) = self.pool.get_new_blocks(1)
+                copies.append((blocks[num_full].block_id, new.block_id))
+                table.append(new)
+            self.req_blocks[child.request_id] = table
+            self._num_registered[child.request_id] = registered
+        return copies
+
     def free(self, request: Request) -> None:
         """Release the request's device blocks (tail first, so shared prefixes stay cached
         longest) and any host blocks it holds."""

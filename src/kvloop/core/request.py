@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvloop.core.prefix_hash import chain_hashes, root_hash, token_bytes
 from kvloop.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvloop.core.group import SequenceGroup
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +64,7 @@ class Request:
         "finished_time",
         "first_scheduled_time",
         "first_token_time",
+        "group",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -68,6 +73,7 @@ class Request:
         "priority",
         "prompt_token_ids",
         "request_id",
+        "sample_index",
         "sampling_params",
         "status",
         "stop_ids",
@@ -116,6 +122,10 @@ class Request:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.error: str | None = None
+        self.group: SequenceGroup | None = None
+        """Set when ``sampling_params.n > 1``: the sequences sampled from this prompt."""
+        self.sample_index = 0
+        """Which of the group's sequences this is (0: the leader)."""
 
     # -- sizes ---------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core.group import SequenceGroup
 from kvloop.core.interface import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -69,6 +70,8 @@ class Scheduler:
         self._step: StepBuilder | None = None
         self._prefilling: set[str] = set()
         """Running requests that may have prompt tokens left (see ``_num_partial``)."""
+        self._unforked: dict[str, int] = {}
+        """Running group leaders not forked yet -> the seats their siblings will take."""
         # NOTE: the one place the scheduling order is decided: the passes run in this order.
         passes = {"running": self._schedule_running, "swapped": self._schedule_swapped,
                   "waiting": self._schedule_waiting}
@@ -100,6 +103,8 @@ class Scheduler:
         request.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else request.eos_token_ids
         )
+        if params.n > 1:
+            request.group = SequenceGroup(request, params.n)
         request.arrival_order = self._num_added
         self._num_added += 1
         self.requests[request.request_id] = request
@@ -114,10 +119,17 @@ class Scheduler:
                 f"({request.max_tokens}) = {total} exceeds max_model_len ({cfg.max_model_len})"
             )
         blocks = self.kv.blocks_needed(total)
+        n = request.sampling_params.n
+        if n > 1:
+            if n > cfg.max_num_seqs:
+                return f"n ({n}) exceeds max_num_seqs ({cfg.max_num_seqs})"
+            shared = (request.num_prompt_tokens - 1) // self.kv.block_size
+            blocks = shared + n * (blocks - shared)
         if blocks > self.kv.num_gpu_blocks:
             return (
-                f"request needs {blocks} KV blocks for {total} tokens but the pool has only "
-                f"{self.kv.num_gpu_blocks}"
+                f"request needs {blocks} KV blocks for {total} tokens"
+                + (f" in each of {n} sequences" if n > 1 else "")
+                + f" but the pool has only {self.kv.num_gpu_blocks}"
             )
         return None
 
@@ -147,6 +159,7 @@ class Scheduler:
         request.finished_time = self.clock()
         self.kv.free(request)
         self._prefilling.discard(request.request_id)
+        self._unforked.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self._count_finished(request)
@@ -187,8 +200,10 @@ class Scheduler:
             raise
 
     def _build_output(self, b: StepBuilder) -> SchedulerOutput:
-        requests, scheduled, admitted = self.requests, b.scheduled, b.admitted
-        new_blocks, pinned = b.new_blocks, b.pinned
+        requests, scheduled, new_blocks = self.requests, b.scheduled, b.new_blocks
+        # NOTE: admitted and forked requests are new to the executor (-> tokens cached).
+        admitted = {**b.admitted, **b.forked} if b.forked else b.admitted
+        swapped_in = set(b.swapped_in)
         new_requests = [
             NewRequestData(
                 request_id=rid,
@@ -205,7 +220,7 @@ class Scheduler:
             ids,
             [new_blocks.get(rid) or [] for rid in ids] if new_blocks else [[] for _ in ids],
             [requests[rid].num_computed_tokens for rid in ids],
-            [rid in pinned for rid in ids] if pinned else [False] * len(ids),
+            [rid in swapped_in for rid in ids] if swapped_in else [False] * len(ids),
         )
         out = SchedulerOutput(
             step=self.step_index,
@@ -215,6 +230,7 @@ class Scheduler:
             total_num_scheduled_tokens=b.token_budget - b.budget,
             blocks_to_swap_out=b.swap_out,
             blocks_to_swap_in=b.swap_in,
+            blocks_to_copy=b.copies,
             finished_request_ids=self._finished_ids,
             preempted_request_ids=[rid for rid, _ in b.preempted],
             swapped_out_request_ids=[rid for rid, mode in b.preempted if mode == "swap"],
@@ -272,17 +288,72 @@ class Scheduler:
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             remaining = req.num_tokens - req.num_computed_tokens
+            if req.request_id in self._unforked:
+                # NOTE: a group leader prefills up to its last prompt token, then forks.
+                remaining = req.num_prompt_tokens - 1 - req.num_computed_tokens
+                if remaining == 0:
+                    self._schedule_fork(req, b)
+                    continue
             n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
             new_ids = allocate(req, n)
             while new_ids is None:
-                victim = self._pick_victim(b, worse_than=None)
-                assert victim is not None, "a running request is never pinned"
-                self._preempt(victim, b)
-                if victim is req:
-                    break
+                self._preempt(self._victim(b), b)
+                if req.status is not _RUNNING:
+                    break  # req itself (or its group) was preempted
                 new_ids = allocate(req, n)
             if new_ids is not None:
                 charge(req, n, remaining, new_ids)
+
+    def _victim(self, b: StepBuilder) -> Request:
+        victim = self._pick_victim(b, worse_than=None)
+        assert victim is not None, "the request that needs room is never pinned"
+        return victim
+
+    def _schedule_fork(self, leader: Request, b: StepBuilder) -> None:
+        """Fork a group whose leader computed all but its last prompt token: every sequence
+        computes that token this step (one per sequence), or the group waits."""
+        group = leader.group
+        assert group is not None
+        if b.budget < group.n or len(self.running) + group.n - 1 > self.config.max_num_seqs:
+            return
+        acquired: list[int] = []
+        while leader.status is _RUNNING:
+            ids = self.kv.allocate_slots(leader, 1)
+            if ids is not None:
+                acquired += ids  # NOTE: kept across retries: the executor must learn them
+                if self._fork(leader, b):
+                    b.charge(leader, 1, 1, acquired)
+                    return
+            self._preempt(self._victim(b), b)
+
+    def _fork(self, leader: Request, b: StepBuilder) -> bool:
+        """Add the leader's siblings (its slot for the last prompt token is allocated):
+        prompt blocks shared, the partial one copied, one token each charged. False, with
+        nothing changed, when the pool cannot take them yet."""
+        group = leader.group
+        assert group is not None
+        children = [group.sibling(i) for i in range(1, group.n)]
+        copies = self.kv.fork(leader, children)
+        if copies is None:
+            return False
+        computed = leader.num_computed_tokens
+        for child in children:
+            rid = child.request_id
+            child.num_computed_tokens = computed
+            child.status = _RUNNING
+            self.requests[rid] = child
+            self.running.append(child)
+            ids = self.kv.allocate_slots(child, 1)
+            assert ids is not None, "fork() checked the room"
+            b.charge(child, 1, 1, self.kv.block_ids(rid))  # NOTE: its whole table: it is new
+            b.forked[rid] = computed
+            b.pinned.add(rid)
+        b.pinned.add(leader.request_id)
+        b.copies.extend(copies)
+        group.members.extend(children)
+        group.forked = True
+        self._unforked.pop(leader.request_id, None)
+        return True
 
     def _schedule_swapped(self, b: StepBuilder) -> None:
         # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
@@ -323,14 +394,33 @@ class Scheduler:
             return
         cfg, kv = self.config, self.kv
         skipped: list[Request] = []
-        while len(waiting) and b.budget > 0 and len(self.running) < cfg.max_num_seqs:
+        unforked = self._unforked
+        reserved = sum(unforked.values()) if unforked else 0
+        while (len(waiting) and b.budget > 0
+               and len(self.running) + reserved < cfg.max_num_seqs):
             req = waiting.pop()
             if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
                 skipped.append(req)
                 continue
+            group = req.group if req.group is not None and not req.group.forked else None
+            if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
+                waiting.add_front([req])  # NOTE: a group is admitted as one unit
+                break
             hits = kv.get_computed_blocks(req)
             num_hit = len(hits) * kv.block_size
             remaining = req.num_tokens - num_hit
+            if group is not None:
+                # NOTE: the leader prefills all but the last prompt token (then forks).
+                if hits and num_hit == req.num_prompt_tokens - 1:
+                    hits = hits[:-1]
+                    num_hit -= kv.block_size
+                remaining = req.num_prompt_tokens - 1 - num_hit
+                if remaining == 0:  # a one-token prompt: every sequence computes it now
+                    if not self._admit_and_fork(req, b):
+                        waiting.add_front([req])
+                        break
+                    reserved = sum(unforked.values())
+                    continue
             n = self._chunk(remaining, b.budget)
             if n < remaining:
                 # NOTE: without chunking the budget covers max_model_len (config check).
@@ -353,8 +443,24 @@ class Scheduler:
                 waiting.add_front([req])
                 break
             self._admit(req, n, num_hit, new_ids, b)
+            if group is not None:
+                reserved = sum(unforked.values())
         if skipped:
             waiting.add_front(skipped)
+
+    def _admit_and_fork(self, leader: Request, b: StepBuilder) -> bool:
+        """Admit a group whose prompt is one token, forked at once (all or nothing)."""
+        group = leader.group
+        assert group is not None
+        if b.budget < group.n or self.kv.num_free_blocks < group.n:
+            return False
+        leader.num_computed_tokens = 0
+        new_ids = self.kv.allocate_slots(leader, 1)
+        assert new_ids is not None
+        self._admit(leader, 1, 0, new_ids, b)
+        forked = self._fork(leader, b)
+        assert forked, "the room for every sequence was checked"
+        return True
 
     def _admit(
         self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
@@ -374,6 +480,8 @@ class Scheduler:
             req.first_scheduled_time = b.start_time
         self.running.append(req)
         self._prefilling.add(req.request_id)
+        if req.group is not None and not req.group.forked:
+            self._unforked[req.request_id] = req.group.n - 1
         b.charge(req, n, req.num_tokens - num_hit, block_ids)
         b.admitted[req.request_id] = num_hit
 
@@ -401,13 +509,23 @@ class Scheduler:
         return max(candidates, key=key) if candidates else None
 
     def _preempt(self, victim: Request, b: StepBuilder) -> None:
-        """Take ``victim`` (already chosen) off the device; undo its share of this step."""
+        """Take ``victim`` (already chosen) off the device, with its whole group if it has
+        one; undo their share of this step."""
+        group = victim.group
+        if group is not None and group.forked:
+            for member in [m for m in group.members if m.status is _RUNNING]:
+                self._preempt_one(member, b)
+        else:
+            self._preempt_one(victim, b)
+
+    def _preempt_one(self, victim: Request, b: StepBuilder) -> None:
         rid = victim.request_id
         if rid in b.admitted:
             self._unadmit(victim, b)
             return
         self.running.remove(victim)
         self._prefilling.discard(rid)
+        self._unforked.pop(rid, None)
         b.uncharge(rid)
         # NOTE: a step never both swaps in and swaps out, so host blocks released by a
         # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
@@ -415,6 +533,7 @@ class Scheduler:
             self.config.preemption_mode == "swap"
             and not b.swap_in
             and victim.num_computed_tokens > 0
+            and (victim.group is None or victim.group.forked)  # NOTE: leaders recompute
             and self.kv.can_swap_out(victim)
         )
         victim.num_preemptions += 1
@@ -444,6 +563,7 @@ class Scheduler:
         num_hit = b.admitted[rid]
         self.running.remove(req)
         self._prefilling.discard(rid)
+        self._unforked.pop(rid, None)
         b.uncharge(rid)
         self.kv.free(req)
         st = self.stats

@@ -18,7 +18,9 @@ class StepBuilder:
     __slots__ = (
         "admitted",
         "budget",
+        "copies",
         "finished",
+        "forked",
         "new_blocks",
         "pinned",
         "preempted",
@@ -44,11 +46,15 @@ class StepBuilder:
         """Block ids added to a request's table this step (absent: none)."""
         self.admitted: dict[str, int] = {}
         """Requests admitted from the waiting queue this step -> tokens found cached."""
+        self.forked: dict[str, int] = {}
+        """Siblings forked from their group's leader this step -> tokens they share."""
+        self.copies: list[tuple[int, int]] = []
+        """(source, destination) device blocks copied for forked siblings."""
         self.swap_in: list[tuple[int, int]] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swapped_in: list[str] = []
         self.pinned: set[str] = set()
-        """Swapped in during this step: never a victim in the same step."""
+        """Swapped in or forked during this step: never a victim in the same step."""
         self.preempted: list[tuple[str, str]] = []
         self.preempted_ids: set[str] = set()
         self.prefill_kinds: dict[str, str] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -95,12 +96,22 @@ class LLM:
             for i, vreq in enumerate(requests):
                 order[engine.add_request(None, vreq)] = i
             results: list[RequestOutput | None] = [None] * len(requests)
+            samples: dict[str, list[RequestOutput | None]] = {
+                rid: [None] * requests[i].params.n
+                for rid, i in order.items() if requests[i].params.n > 1}
             with tqdm(total=len(requests), disable=not use_tqdm, unit="req") as bar:
                 while any(r is None for r in results):
                     for out in engine.step():
-                        if out.finished and out.request_id in order:
-                            results[order.pop(out.request_id)] = out
-                            bar.update(1)
+                        if not out.finished or out.request_id not in order:
+                            continue
+                        group = samples.get(out.request_id)
+                        if group is not None:
+                            group[out.index] = out
+                            if any(s is None for s in group):
+                                continue
+                            out = replace(group[0], outputs=group)  # type: ignore[type-var]
+                        results[order.pop(out.request_id)] = out
+                        bar.update(1)
         finally:
             for rid in order:  # interrupted: leave nothing behind
                 engine.abort_request(rid)

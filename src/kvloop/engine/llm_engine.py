@@ -47,6 +47,10 @@ class _Tracked:
     """Text deltas so far (joined once, in the final output)."""
     logprobs: list[dict[int, float]] | None = None
     stopped_by_string: bool = False
+    output_id: str = ""
+    """The id outputs carry: the request's, or for a sibling its group leader's."""
+    index: int = 0
+    """The sequence's index in its group (``RequestOutput.index``)."""
 
 
 class LLMEngine:
@@ -80,6 +84,8 @@ class LLMEngine:
         )
         """What every request must fit (fixed at construction; safe to read from any thread)."""
         self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, int] = {}
+        """Requests with ``n > 1`` sequences -> n, while any of them is unfinished."""
         self._ids = itertools.count()
         self._logged_failure = False
 
@@ -189,16 +195,58 @@ class LLMEngine:
             vreq.prompt,
             detok,
             logprobs=[] if params.logprobs is not None else None,
+            output_id=rid,
         )
+        if params.n > 1:
+            self._groups[rid] = params.n
         return rid
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort a request in any state; its blocks return to the pool at once."""
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+    def _member_ids(self, request_id: str) -> list[str]:
+        """The engine-side ids of a request's sequences (itself, then its siblings)."""
+        n = self._groups.get(request_id, 1)
+        return [request_id, *(f"{request_id}#{i}" for i in range(1, n))]
+
+    def _track_sibling(self, req: Request) -> _Tracked | None:
+        """Start tracking a sibling forked by the scheduler (None if its group is gone)."""
+        group = req.group
+        if group is None or req.sample_index == 0:
             return None
-        self.scheduler.abort_request(request_id)
-        return self._final(tracked, [], "", None)
+        leader = group.leader
+        if leader.request_id not in self._groups:
+            return None
+        detok = None
+        if self.tokenizer is not None:
+            detok = self.tokenizer.detokenizer(req.prompt_token_ids, req.sampling_params)
+        t = _Tracked(req, None, detok,
+                     logprobs=[] if req.sampling_params.logprobs is not None else None,
+                     output_id=leader.request_id, index=req.sample_index)
+        lead = self._tracked.get(leader.request_id)
+        if lead is not None:
+            t.prompt = lead.prompt
+        self._tracked[req.request_id] = t
+        return t
+
+    def _forget(self, tracked: _Tracked) -> None:
+        """Stop tracking a finished sequence (and its group once every sequence is done)."""
+        req = tracked.request
+        self._tracked.pop(req.request_id, None)
+        gid = tracked.output_id
+        if gid in self._groups and not any(k in self._tracked for k in self._member_ids(gid)):
+            del self._groups[gid]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request in any state (all its sequences); its blocks return to the pool
+        at once. Returns the first sequence's final output (None if unknown)."""
+        first = None
+        for key in self._member_ids(request_id):
+            tracked = self._tracked.get(key)
+            self.scheduler.abort_request(key)
+            if tracked is not None:
+                self._forget(tracked)
+                out = self._final(tracked, [], "", None)
+                first = first or out
+        self._groups.pop(request_id, None)
+        return first
 
     def snapshot(self, request_id: str) -> RequestOutput | None:
         """The cumulative state of an unfinished request (None if unknown): what a caller
@@ -244,7 +292,9 @@ class LLMEngine:
         for req in result.touched:  # on failure: the failed requests
             t = tracked.get(req.request_id)
             if t is None:
-                continue
+                t = self._track_sibling(req)
+                if t is None:
+                    continue
             try:
                 outputs.append(progress(t, req, logprobs.get(req.request_id) if logprobs else None))
             except Exception as exc:  # e.g. detokenization: this request fails, not the step
@@ -260,7 +310,7 @@ class LLMEngine:
         elif req.error is None:
             req.error = error
             req.status = RequestStatus.FINISHED_ERROR
-        self._tracked.pop(req.request_id, None)
+        self._forget(tracked)
         return self._final(tracked, [], "", None)
 
     def _progress(
@@ -284,10 +334,13 @@ class LLMEngine:
             new_logprobs = list(new_logprobs or ())
             tracked.logprobs.extend(new_logprobs)
         if req.is_finished:
-            del self._tracked[req.request_id]
+            self._forget(tracked)
             return self._final(tracked, new_ids, delta, new_logprobs)
-        return RequestOutput(req.request_id, new_ids, delta, new_logprobs,
-                             req.num_prompt_tokens, len(ids), False)
+        out = RequestOutput(tracked.output_id, new_ids, delta, new_logprobs,
+                            req.num_prompt_tokens, len(ids), False)
+        if tracked.index:
+            out.index = tracked.index
+        return out
 
     def _final(
         self,
@@ -300,7 +353,8 @@ class LLMEngine:
         req = tracked.request
         reason = req.finish_reason
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=tracked.output_id,
+            index=tracked.index,
             new_token_ids=new_ids,
             new_text=delta,
             new_logprobs=new_logprobs if tracked.logprobs is not None else None,

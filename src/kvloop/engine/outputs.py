@@ -85,3 +85,8 @@ class RequestOutput:
     """Per output token (final output only, when asked for)."""
     metrics: RequestMetrics | None = None
     """Timing of the request (final output only)."""
+    index: int = 0
+    """Which of the request's ``n`` sequences this is (``SamplingParams.n``)."""
+    outputs: list[RequestOutput] | None = None
+    """With ``n > 1``, from the offline ``LLM`` API: every sequence's final output, by
+    index (this object is ``outputs[0]``'s summary: the same fields)."""

@@ -110,6 +110,14 @@ class KVCache:
         blocks = self.gpu.index_select(2, src)
         self.cpu.index_copy_(2, dst, blocks.to("cpu"))
 
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Duplicate (source, destination) device blocks (copy on write)."""
+        if not pairs:
+            return
+        src = self._index([s for s, _ in pairs], self.device)
+        dst = self._index([d for _, d in pairs], self.device)
+        self.gpu.index_copy_(2, dst, self.gpu.index_select(2, src))
+
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy (host block, device block) pairs host -> device."""
         if not pairs:

@@ -1,7 +1,7 @@
 """The real executor: runs scheduled steps of a Hugging Face model on CPU or CUDA.
 
 Per step: forget finished / recompute-preempted requests, apply the scheduler's block
-copies (swap out, then swap in), lay out the step's tokens (decodes first, then
+copies (swap out, swap in, copy on write), lay out the step's tokens (decodes first, then
 prefill chunks), run one forward pass over all of them, and sample one token for every
 request whose known tokens are all computed by this step.
 """
@@ -204,6 +204,7 @@ class TorchModelRunner:
         _check_disjoint(so.blocks_to_swap_out, so.blocks_to_swap_in)
         self.kv_cache.swap_out(so.blocks_to_swap_out)
         self.kv_cache.swap_in(so.blocks_to_swap_in)
+        self.kv_cache.copy(so.blocks_to_copy)
         for new in so.new_requests:
             requests[new.request_id] = self._new_state(new)
         cached = so.cached_requests
