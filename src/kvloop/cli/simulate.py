@@ -27,6 +27,7 @@ from kvloop.executor.simulated import (
 from kvloop.executor.simulated.calibration import Calibration
 from kvloop.executor.simulated.tables import StepTables
 from kvloop.sim.driver import simulate
+from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.sim.traces import SHIPPED_TRACES, load_trace
 from kvloop.sim.workloads import apply_priority_mix, parse_priority_mix, synthetic_workload
@@ -221,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
     o = cost.overhead
     print(f"cost model: {basis}: {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request")
     print(format_table(m, extra))
+    note = load_note(m["load"])
+    if note:
+        print(note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=2, default=str)

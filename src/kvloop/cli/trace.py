@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.viz.summary import load_records, summarize_trace
 
@@ -81,6 +82,9 @@ def run_summary(args: argparse.Namespace) -> int:
     n = m["completed"] + m["aborted"] + m["failed"] + m["unfinished"]
     print(f"kvloop trace summary: {n} requests over {len(records)} steps from {args.trace}")
     print(format_table(m, scheduler_rows(m["scheduler"])))
+    note = load_note(m["load"])
+    if note:
+        print(note)
     if m["unfinished"]:
         print(f"note: {m['unfinished']} requests did not finish within the trace (not counted)")
     if m["requests_without_arrival"]:

@@ -23,6 +23,7 @@ from kvloop.core.stats import StepRecorder
 from kvloop.executor.simulated.cost_model import CostModel
 from kvloop.executor.simulated.executor import SimulatedExecutor
 from kvloop.sampling_params import SamplingParams
+from kvloop.sim.load import load_summary
 from kvloop.sim.metrics import summarize_requests
 from kvloop.sim.traces import WorkloadRequest
 
@@ -49,11 +50,14 @@ class _ClockedExecutor:
     def __init__(self, executor: SimulatedExecutor, clock: VirtualClock) -> None:
         self.executor = executor
         self.clock = clock
+        self.busy_s = 0.0
+        """Virtual seconds spent in steps (the engine's busy time)."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         result = self.executor.execute(scheduler_output)
         if _ran(scheduler_output):
             self.clock.now += result.step_time_s
+            self.busy_s += result.step_time_s
         return result
 
 
@@ -64,7 +68,8 @@ class SimulationResult:
     requests: list[Request]
     scheduler: Scheduler
     metrics: dict[str, Any]
-    """Request-level metrics (``summarize_requests``) plus scheduler totals."""
+    """Request-level metrics (``summarize_requests``) plus ``scheduler`` totals and ``load``
+    (``kvloop.sim.load.load_summary``: arrival rate, utilisation, overload)."""
     wall_time_s: float
     """Real seconds the simulation took."""
     records: list = field(default_factory=list)
@@ -147,6 +152,7 @@ def simulate(
     bar.close()
     metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     metrics["scheduler"] = scheduler_summary(scheduler)
+    metrics["load"] = load_summary(requests, executor.busy_s, metrics["duration"])
     wall = time.perf_counter() - started
     metrics["wall_time_s"] = wall
     return SimulationResult(

@@ -18,6 +18,8 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvloop.sim.load import load_rows
+
 __all__ = ["LATENCY_METRICS", "PERCENTILES", "format_table", "percentile", "summarize_requests"]
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e", "queue")
@@ -169,8 +171,10 @@ def _fmt(value: Any, digits: int = 2) -> str:
 def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
     """Render a summary as a terminal table like vLLM's benchmark_serving (latencies in ms).
 
-    ``extra`` key/values (e.g. scheduler stats: preemptions, prefix hit rate, KV usage) are
-    appended in their own section, printed as given (floats with 4 decimals).
+    A ``load`` entry (``kvloop.sim.load.load_summary``) adds a Load section: arrival rate
+    and utilisation. ``extra`` key/values (e.g. scheduler stats: preemptions, prefix hit
+    rate, KV usage) are appended in their own section, printed as given (floats with 4
+    decimals).
     """
     lines = [f"{' Serving Benchmark Result ':=^{_WIDTH}}"]
 
@@ -198,6 +202,10 @@ def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -
             value = stats.get(stat)
             label = f"{'Mean' if stat == 'mean' else stat.upper()} {short} (ms)"
             row(label, None if value is None else value * 1000.0)
+    if summary.get("load"):
+        lines.append(f"{' Load ':-^{_WIDTH}}")
+        for key, value in load_rows(summary["load"]).items():
+            row(key, value)
     if extra:
         lines.append(f"{' Scheduler ':-^{_WIDTH}}")
         for key, value in extra.items():

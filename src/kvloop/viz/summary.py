@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvloop.core.stats import StepRecord
+from kvloop.sim.load import load_summary
 from kvloop.sim.metrics import summarize_requests
 
 __all__ = [
@@ -185,10 +186,13 @@ def summarize_trace(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
 ) -> dict[str, Any]:
-    """``summarize_requests`` over the rebuilt requests, plus ``scheduler`` totals and
+    """``summarize_requests`` over the rebuilt requests, plus ``scheduler`` totals, ``load``
+    (``kvloop.sim.load.load_summary``; busy time = the steps' spans) and
     ``requests_without_arrival`` (requests the trace saw but whose arrival it missed)."""
     reqs = reconstruct_requests(records)
     summary = summarize_requests(reqs.values(), slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     summary["scheduler"] = scheduler_totals(records, reqs)
+    busy = sum(max(0.0, rec.end_time_s - rec.time_s) for rec in records)
+    summary["load"] = load_summary(reqs.values(), busy, summary["duration"])
     summary["requests_without_arrival"] = sum(1 for r in reqs.values() if not r.seen_arrival)
     return summary
