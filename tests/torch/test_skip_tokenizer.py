@@ -79,7 +79,7 @@ def test_generate_command_takes_and_prints_token_ids(llama_model: TinyModel, cap
 
     flags = ["--model", str(llama_model.path), "--skip-tokenizer-init", "--dtype", "float32",
              "--device", "cpu", "--num-gpu-blocks", "64", "--block-size", "4",
-             "--max-model-len", "256", "--max-tokens", "5", "--ignore-eos"]
+             "--max-model-len", "256", "--max-tokens", "5", "--ignore-eos", "--temperature", "0"]
     assert main(["generate", *flags, "--prompt", "5,17,99,3"]) == 0
     printed = capsys.readouterr().out.split()
     assert [int(t) for t in printed] == llama_model.greedy([5, 17, 99, 3], 5)

@@ -34,7 +34,9 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     dv = {name: defaults.get(name, getattr(d, name)) for name in _SCHEDULER_FLAGS}
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=dv["max_num_seqs"])
-    g.add_argument("--max-num-batched-tokens", type=int, default=dv["max_num_batched_tokens"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=dv["max_num_batched_tokens"],
+                   help="tokens per step (default: %(default)s; None: 2048 on CUDA, on CPU "
+                   "what keeps steps near 0.5 s for the model)")
     g.add_argument(
         "--max-model-len",
         type=int,
@@ -93,6 +95,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts and outputs are token ids")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="default sampling settings: 'auto', the model's generation_config.json "
+                   "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
+                   "'vllm', vLLM's neutral ones; or a generation_config.json (or its folder) "
+                   "(default: auto)")
     add_scheduler_args(p)
 
 

@@ -35,8 +35,9 @@ class EngineArgs:
     """Longest prompt + output; None uses the model's max_position_embeddings."""
     max_num_seqs: int = 256
     """Most requests running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; None: 2048 on CUDA (and in the simulator), on CPU what
+    keeps a step near 0.5 s for this model on this machine (``executor.torch.budget``)."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps."""
     long_prefill_token_threshold: int = 0
@@ -54,6 +55,12 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     """Load no tokenizer (as vLLM): prompts must be token ids, outputs carry token ids and
     empty text, stop strings and chat are unavailable. For model folders without one."""
+    generation_config: str = "auto"
+    """Where default sampling settings come from (vLLM's ``--generation-config``): ``auto``,
+    the model's ``generation_config.json`` (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens as max_tokens); ``vllm``, vLLM's neutral defaults
+    (temperature 1.0, 16 tokens); or a path to such a file or its folder. Defaults only:
+    explicit sampling parameters win (``kvloop.engine.generation_config``)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -67,9 +74,10 @@ class EngineArgs:
     # NOTE: the one derivation of the scheduler and cache configs: ``LLMEngine.from_args``
     # and ``kvloop simulate`` both call these; the executor (model runner or simulated
     # device) supplies only the model's length limit and the block counts.
-    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's config for a model that takes ``max_model_len`` tokens."""
-        budget = self.max_num_batched_tokens
+    def scheduler_config(self, max_model_len: int, default_budget: int = 2048) -> SchedulerConfig:
+        """The scheduler's config for a model that takes ``max_model_len`` tokens
+        (``default_budget`` when ``max_num_batched_tokens`` is None)."""
+        budget = self.max_num_batched_tokens or default_budget
         if not self.enable_chunked_prefill:
             budget = max(budget, max_model_len)
         return SchedulerConfig(

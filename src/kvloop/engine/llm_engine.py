@@ -88,6 +88,8 @@ class LLMEngine:
         """Requests with ``n > 1`` sequences -> n, while any of them is unfinished."""
         self._ids = itertools.count()
         self._logged_failure = False
+        self.token_budget_note = f"{scheduler.config.max_num_batched_tokens} tokens per step"
+        """The step's token budget and why it is what it is (for start-up lines)."""
 
     # -- construction ----------------------------------------------------------------
     @classmethod
@@ -109,24 +111,34 @@ class LLMEngine:
             swap_space_bytes=int(args.swap_space * (1 << 30)),
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            # NOTE: sized for the largest default budget; the CPU one is at most that.
+            max_num_batched_tokens=args.max_num_batched_tokens or 2048,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             seed=args.seed,
         )
         mc = runner.model_config
         max_len = runner.max_model_len  # the model's limit (sliding window included)
+        budget, why = args.max_num_batched_tokens, "as given"
+        if budget is None:
+            from kvloop.executor.torch.budget import default_token_budget
+
+            budget, why = default_token_budget(runner)
+            runner.max_num_batched_tokens = budget
         scheduler = Scheduler(
-            args.scheduler_config(max_len),
+            args.scheduler_config(max_len, default_budget=budget),
             args.cache_config(runner.num_gpu_blocks, runner.num_cpu_blocks),
             recorder=recorder,
         )
         eos = frozenset(mc.eos_token_ids)
         if tokenizer is not None:
             eos |= tokenizer.eos_token_ids
-        return cls(
+        engine = cls(
             scheduler, runner, tokenizer=tokenizer, eos_token_ids=eos, vocab_size=mc.vocab_size
         )
+        engine.token_budget_note = (
+            f"{scheduler.config.max_num_batched_tokens} tokens per step ({why})")
+        return engine
 
     # -- requests --------------------------------------------------------------------
     def new_request_id(self) -> str:

@@ -1,0 +1,37 @@
+"""The default token budget: CUDA's fixed one, a CPU one from the model's measured cost."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import TinyModel
+
+from kvloop.engine.args import EngineArgs
+from kvloop.engine.llm_engine import LLMEngine
+from kvloop.executor.torch import budget
+
+ARGS = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_gpu_blocks": 64,
+        "swap_space": 0.0, "max_model_len": 256, "skip_tokenizer_init": True}
+
+
+@pytest.mark.parametrize(("per_token", "expected"), [(0.1, 64), (1e-3, 448), (1e-6, 2048)])
+def test_the_cpu_budget_follows_the_cost_per_token(monkeypatch, per_token, expected):
+    monkeypatch.setattr(budget, "prefill_time", lambda runner, t: per_token * t)
+    cpu = SimpleNamespace(device=SimpleNamespace(type="cpu"))
+    chosen, why = budget.default_token_budget(cpu)
+    assert chosen == expected and "ms per prompt token" in why
+    cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    assert budget.default_token_budget(cuda) == (2048, "the CUDA default")
+
+
+def test_the_engine_measures_and_says_what_it_chose(llama_model: TinyModel):
+    auto = LLMEngine.from_args(EngineArgs(model=str(llama_model.path), **ARGS))
+    chosen = auto.scheduler.config.max_num_batched_tokens
+    assert 64 <= chosen <= 2048 and chosen % 64 == 0
+    assert auto.token_budget_note.startswith(f"{chosen} tokens per step (for ~0.5 s steps")
+    assert not auto.executor.requests  # the probe left nothing behind
+    given = LLMEngine.from_args(EngineArgs(model=str(llama_model.path),
+                                           max_num_batched_tokens=96, **ARGS))
+    assert given.scheduler.config.max_num_batched_tokens == 96
+    assert given.token_budget_note == "96 tokens per step (as given)"
