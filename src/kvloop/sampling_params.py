@@ -43,6 +43,9 @@ class SamplingParams:
     """Return this many top log-probabilities per output token (None: none)."""
     n: int = 1
     """Output sequences to sample from the prompt (they share its KV blocks)."""
+    min_tokens: int = 0
+    """Output tokens before EOS or a ``stop_token_ids`` token may end the request (they are
+    masked from sampling until then), in [0, max_tokens]."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +68,9 @@ class SamplingParams:
         )
         _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
                "n", "must be an integer >= 1", self.n)
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+               and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", "must be an integer in [0, max_tokens]", self.min_tokens)
         _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
         _check(

@@ -26,6 +26,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens whose KV is already in ``block_ids`` (prefix-cache hits)."""
+    stop_ids: frozenset[int] = frozenset()
+    """Token ids that end the request (EOS unless ignored, ``stop_token_ids``): sampling
+    masks them until ``sampling_params.min_tokens`` tokens are out."""
 
 
 @dataclass

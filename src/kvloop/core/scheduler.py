@@ -212,6 +212,7 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 block_ids=new_blocks[rid],
                 num_computed_tokens=num_hit,
+                stop_ids=req.stop_ids,
             )
             for rid, num_hit in admitted.items()
         ]
@@ -631,7 +632,8 @@ class Scheduler:
                 outputs.append(t)
                 req.token_times.append(now)
                 gen_tokens += 1
-                if t in stop_ids:
+                # NOTE: a stop id before min_tokens (an executor that does not mask) is kept.
+                if t in stop_ids and len(outputs) > req.sampling_params.min_tokens:
                     status = RequestStatus.FINISHED_STOPPED
                     break
                 # NOTE: prompt + max_tokens <= max_model_len was checked on arrival, so

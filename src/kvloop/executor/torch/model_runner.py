@@ -230,6 +230,7 @@ class TorchModelRunner:
             prompt_token_ids=prompt,
             output_token_ids=output,
             seed_offset=_request_seed(self.seed, new.request_id),
+            stop_ids=new.stop_ids,
         )
         return _RequestState(prompt, output, list(new.block_ids), new.num_computed_tokens, sampling)
 

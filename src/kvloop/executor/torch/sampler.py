@@ -36,6 +36,8 @@ class SamplingState:
     seed_offset: int = 0
     """Runner-level seed for an unseeded request: non-zero gives it its own reproducible
     stream (the runner should hand each request a distinct value); 0 uses the shared RNG."""
+    stop_ids: frozenset[int] = frozenset()
+    """Ids masked while fewer than ``params.min_tokens`` tokens are out."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -134,6 +136,24 @@ def apply_top_k_top_p(
     return torch.empty_like(s).scatter_(-1, order, s)
 
 
+def apply_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Mask each row's stop ids while it has fewer than ``min_tokens`` output tokens."""
+    rows, cols = [], []
+    v = logits.shape[-1]
+    for i, s in enumerate(states):
+        if s.params.min_tokens > len(s.output_token_ids) and s.stop_ids:
+            for t in s.stop_ids:
+                if 0 <= t < v:
+                    rows.append(i)
+                    cols.append(t)
+    if not rows:
+        return logits
+    out = logits.clone()  # NOTE: ``logits`` may be the raw tensor logprobs are read from
+    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
+        float("-inf"))
+    return out
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask tokens whose probability is below ``min_p`` × the row's top probability
     (in log space: logit < max logit + log(min_p); min_p = 0 keeps everything)."""
@@ -174,7 +194,7 @@ class Sampler:
         if not states:
             return [], []
         raw = logits[:, : self.vocab_size].float()
-        x = apply_penalties(raw, states)
+        x = apply_min_tokens(apply_penalties(raw, states), states)
         rand_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         greedy = x.argmax(dim=-1) if len(rand_rows) < len(states) else None
         tokens = greedy
