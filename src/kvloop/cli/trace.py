@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("--requests", default=None, metavar="N|ID,ID,...",
                       help="the first N requests active in the window, or these ids "
                       "(default: the first 100)")
+    plot.add_argument("--x-axis", choices=["time", "step"], default="time",
+                      help="time: seconds since the first arrival, each step as wide as it "
+                      "took; step: one column per step (default: %(default)s)")
     plot.add_argument("--title", default=None)
     plot.set_defaults(func=run_plot)
 
@@ -55,13 +59,27 @@ def run_plot(args: argparse.Namespace) -> int:
     records = load_records(args.trace)
     window = select_window(records, steps, requests)
     grid = build_grid(records, window)
-    plot_timeline(grid, args.output, title=args.title)
+    plot_timeline(grid, args.output, title=args.title, x_axis=args.x_axis)
     rows, cols = grid.cells.shape
     print(f"kvloop trace plot: {rows} requests x {cols} steps "
           f"({grid.steps[0]}:{grid.steps[-1] + 1}) -> {args.output}")
+    labels = grid.labels()
+    if any(not label.endswith(rid) for label, rid in zip(labels, grid.request_ids, strict=True)):
+        legend = Path(args.output).with_suffix(".rows.tsv")
+        legend.write_text(rows_legend(grid), encoding="utf-8")
+        print(f"rows are labelled with short ids; full ids -> {legend}")
     if window.notes:
         print("note: " + "; ".join(window.notes))
     return 0
+
+
+def rows_legend(grid) -> str:
+    """Tab-separated row number, full request id and arrival (seconds since the first)."""
+    lines = ["row\trequest_id\tarrival_s"]
+    for n, rid, arrival in zip(grid.numbers, grid.request_ids, grid.arrivals, strict=True):
+        when = "" if arrival is None else f"{arrival - grid.t0:.3f}"
+        lines.append(f"{n}\t{rid}\t{when}")
+    return "\n".join(lines) + "\n"
 
 
 def run_export(args: argparse.Namespace) -> int:

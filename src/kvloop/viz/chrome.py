@@ -10,8 +10,10 @@ Layout (one process, ``pid`` 1):
   in host memory, and instant events ("i") for arrival, preemption, swap-in and finish;
 - counters ("C"): KV blocks used (and the pool), queue lengths, tokens per step.
 
-Timestamps are microseconds of the record clock: a step spans ``time_s`` to
-``end_time_s`` (``step_time_s`` when the clock did not move, as in a stalled step).
+Timestamps are microseconds since the trace's first arrival (or first step, if earlier):
+a step spans ``time_s`` to ``end_time_s`` (``step_time_s`` when the clock did not move, as
+in a stalled step), less that origin; ``otherData.origin_s`` is the origin on the record
+clock.
 """
 
 from __future__ import annotations
@@ -21,19 +23,28 @@ from typing import Any
 
 from kvloop.core.stats import StepRecord
 
-__all__ = ["ENGINE_TID", "PID", "chrome_trace", "write_chrome_trace"]
+__all__ = ["ENGINE_TID", "PID", "chrome_trace", "trace_origin", "write_chrome_trace"]
 
 PID = 1
 ENGINE_TID = 0
 _US = 1e6
 
 
-def _span(rec: StepRecord) -> tuple[float, float]:
-    """Start and duration of a step in microseconds."""
+def _span(rec: StepRecord, origin: float) -> tuple[float, float]:
+    """Start (since ``origin``) and duration of a step in microseconds."""
     dur = rec.end_time_s - rec.time_s
     if dur <= 0:
         dur = rec.step_time_s
-    return rec.time_s * _US, max(dur, 0.0) * _US
+    return (rec.time_s - origin) * _US, max(dur, 0.0) * _US
+
+
+def trace_origin(records: list[StepRecord]) -> float:
+    """Time zero of a trace on its record clock: the first arrival, or the first step if it
+    started earlier (a trace that missed the arrivals)."""
+    if not records:
+        return 0.0
+    first = records[0]
+    return min([first.time_s, *(float(a) for _, a, _ in first.arrived)])
 
 
 class _Builder:
@@ -86,11 +97,12 @@ class _Builder:
 def chrome_trace(records: list[StepRecord]) -> dict[str, Any]:
     """The trace-event document for ``records`` (a dict ready for ``json.dump``)."""
     b = _Builder()
+    origin = trace_origin(records)
     for rec in records:
-        ts, dur = _span(rec)
+        ts, dur = _span(rec, origin)
         end = ts + dur
         for rid, arrival, n_prompt in rec.arrived:
-            t = float(arrival) * _US
+            t = (float(arrival) - origin) * _US
             b.instant(rid, "arrived", t, prompt_tokens=n_prompt)
             b.open(rid, "waiting", t)
         for rid, mode in rec.preempted:
@@ -125,14 +137,14 @@ def chrome_trace(records: list[StepRecord]) -> dict[str, Any]:
         b.counter("tokens per step", ts, tokens=rec.num_batched_tokens,
                   budget=rec.token_budget)
     if records:  # spans still open at the end of the trace run to its last step
-        last = _span(records[-1])
+        last = _span(records[-1], origin)
         for rid in list(b.open_span):
             b.close(rid, last[0] + last[1])
     return {
         "traceEvents": b.events,
         "displayTimeUnit": "ms",
         "otherData": {"source": "kvloop step trace", "num_steps": len(records),
-                      "num_requests": len(b.tids)},
+                      "num_requests": len(b.tids), "origin_s": origin},
     }
 
 

@@ -7,11 +7,13 @@ records into an integer matrix of :class:`Cell` values (drawn by ``viz.timeline`
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvloop.core.stats import StepRecord
+from kvloop.viz.chrome import trace_origin
 
 __all__ = [
     "LEGEND",
@@ -24,12 +26,15 @@ __all__ = [
     "parse_requests",
     "parse_steps",
     "select_window",
+    "short_ids",
 ]
 
 MAX_STEPS = 500
 """Most steps one picture shows before the trace is windowed."""
 MAX_REQUESTS = 100
 """Most requests (rows) one picture shows before the trace is windowed."""
+SHORT_ID = 10
+"""Characters of a request id kept on the picture (more only where needed to tell apart)."""
 
 
 class Cell(enum.IntEnum):
@@ -90,6 +95,30 @@ def parse_requests(text: str) -> list[str] | int:
     return ids
 
 
+def short_ids(ids: list[str], keep: int = SHORT_ID) -> list[str]:
+    """Short, still distinct, labels for request ids.
+
+    A prefix all ids share up to a separator (``cmpl-``, ``chatcmpl-``) is dropped, then
+    each id is cut to ``keep`` characters with a trailing ``…``; where two cut ids collide
+    more characters are kept. Ids that are short already stay as they are.
+    """
+    if not ids:
+        return []
+    common = ids[0]
+    for rid in ids[1:]:
+        while not rid.startswith(common):
+            common = common[:-1]
+    seps = [m.end() for m in re.finditer(r"[-_:./]", common)]
+    drop = seps[-1] if seps else 0
+    rest = [rid[drop:] or rid for rid in ids]
+    n = keep
+    while True:
+        out = [r if len(r) <= n + 1 else r[:n] + "…" for r in rest]
+        if len(set(out)) == len(set(rest)) or n >= max(map(len, rest)):
+            return out
+        n += 2
+
+
 @dataclass
 class TimelineGrid:
     """The category matrix of a window of the trace, ready to draw."""
@@ -104,10 +133,27 @@ class TimelineGrid:
     """Tokens each request computed in each step (0 when it did not run)."""
     total_steps: int
     total_requests: int
+    numbers: list[int] = field(default_factory=list)
+    """Row numbers: each request's place in the order the trace first saw them (from 1),
+    the same in every window of one trace."""
+    arrivals: list[float | None] = field(default_factory=list)
+    """Each row's arrival time on the record clock, when the trace recorded it."""
+    t0: float = 0.0
+    """The trace's first arrival (or first step start, if earlier) on the record clock:
+    time zero of the picture."""
 
     @property
     def steps(self) -> list[int]:
         return [r.step for r in self.records]
+
+    def labels(self) -> list[str]:
+        """Row labels: the request ids when they are short, else the row number and a short
+        id (see :func:`short_ids`; ``kvloop trace plot`` writes the full ids by number)."""
+        short = short_ids(self.request_ids)
+        if short == self.request_ids:
+            return list(short)
+        width = len(str(max(self.numbers, default=0)))
+        return [f"{n:>{width}} {s}" for n, s in zip(self.numbers, short, strict=True)]
 
 
 def _lifespans(records: list[StepRecord]) -> dict[str, tuple[int, int]]:
@@ -135,6 +181,8 @@ class Window:
     notes: list[str]
     """Why the picture shows less than the trace, and how to choose another window."""
     total_requests: int
+    numbers: list[int] = field(default_factory=list)
+    """Each row's place in the order the trace first saw its request (from 1)."""
 
 
 def select_window(
@@ -181,7 +229,8 @@ def select_window(
         ids = active[:limit]
     if notes:
         notes.append("choose a window with --steps A:B and --requests N or ID,ID,...")
-    return Window(lo, hi, ids, notes, len(spans))
+    order = {rid: k for k, rid in enumerate(spans, 1)}
+    return Window(lo, hi, ids, notes, len(spans), [order[rid] for rid in ids])
 
 
 def build_grid(records: list[StepRecord], window: Window) -> TimelineGrid:
@@ -197,13 +246,15 @@ def build_grid(records: list[StepRecord], window: Window) -> TimelineGrid:
     tokens = np.zeros((len(ids), hi - lo), dtype=np.int32)
     state: dict[str, str] = {}
     redo: set[str] = set()
+    arrivals: list[float | None] = [None] * len(ids)
     for i in range(hi):
         rec = records[i]
         col = i - lo
         marked: dict[str, Cell] = {}
-        for rid, *_ in rec.arrived:
+        for rid, arrival, _ in rec.arrived:
             if rid in row:
                 state[rid] = "waiting"
+                arrivals[row[rid]] = float(arrival)
         for rid, mode in rec.preempted:
             if rid in row:
                 swap = mode == "swap"
@@ -234,4 +285,7 @@ def build_grid(records: list[StepRecord], window: Window) -> TimelineGrid:
             if value is None:
                 value = _IDLE_BY_STATE.get(state.get(rid, ""), Cell.NONE)
             cells[r, col] = value
-    return TimelineGrid(ids, records[lo:hi], cells, tokens, len(records), window.total_requests)
+    t0 = trace_origin(records)
+    numbers = window.numbers or list(range(1, len(ids) + 1))
+    return TimelineGrid(ids, records[lo:hi], cells, tokens, len(records), window.total_requests,
+                        numbers, arrivals, t0)

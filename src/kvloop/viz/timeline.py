@@ -1,14 +1,18 @@
 """The step timeline picture: the seed picture of continuous batching.
 
-One row per request, one column per step, each cell coloured by what the request did in
-that step (see ``viz.grid.LEGEND``). Panels under the grid share its step axis: tokens per
-step against the budget, KV blocks used against the pool, running/waiting/swapped counts,
-and step time.
+One row per request, each cell coloured by what the request did in a step (see
+``viz.grid.LEGEND``). Panels under the grid share its x axis: tokens per step against the
+budget, KV blocks used against the pool, running/waiting/swapped counts, and step time.
+
+The x axis is time by default: seconds since the trace's first arrival, each step as wide
+as it took (a 20 s step twenty times as wide as a 1 s one), gaps between steps drawn with
+the state each request carried through them, and a request that arrived in the middle of
+a step shown waiting from its arrival on. ``x_axis="step"`` gives every step one column.
+Rows are labelled with a row number (order of first sight in the trace) and a short id.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,15 +22,33 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from kvloop.core.stats import StepRecord
 from kvloop.viz.grid import LEGEND, Cell, TimelineGrid
 
-__all__ = ["DPI", "FIGSIZE", "TimelineGeometry", "plot_timeline"]
+__all__ = [
+    "DPI", "FIGSIZE", "X_AXES", "TimelineGeometry", "default_title", "plot_timeline",
+]
 
 FIGSIZE = (16.0, 11.0)
 """Figure size in inches; with ``DPI`` the PNG is always 1600 x 1100 pixels."""
 DPI = 100
+X_AXES = ("time", "step")
+"""What the x axis counts: seconds since the first arrival, or steps."""
 _MAX_LABELS = 50
-"""Most request ids written on the y axis (every k-th row beyond that)."""
+"""Most row labels written on the y axis (every k-th row beyond that)."""
+_MARGIN = {"right": 0.98, "top": 0.93, "bottom": 0.05}
+_MIN_GAP = 1e-3
+"""Gaps between steps shorter than this share of the window are drawn as part of the step
+before (they would be under a pixel wide)."""
+
+# What a request is doing between two steps, from what it did in the step before.
+_CARRY = np.zeros(len(Cell), dtype=np.int8)
+for _cell, _between in {
+    Cell.WAITING: Cell.WAITING, Cell.PREEMPTED: Cell.WAITING, Cell.IDLE: Cell.IDLE,
+    Cell.PREFILL: Cell.IDLE, Cell.RECOMPUTE: Cell.IDLE, Cell.DECODE: Cell.IDLE,
+    Cell.SWAPPED: Cell.SWAPPED,
+}.items():
+    _CARRY[_cell] = _between
 
 
 @dataclass(frozen=True)
@@ -39,78 +61,214 @@ class TimelineGeometry:
     top: float
     right: float
     bottom: float
-    """Edges of the grid's axes box: column c spans ``[c, c+1) * cell width`` from left."""
+    """Edges of the grid's axes box."""
     num_rows: int
     num_cols: int
+    x_min: float = -0.5
+    x_max: float = 0.5
+    """Data x at the box's left and right edges (seconds or step columns)."""
+    col_edges: tuple[tuple[float, float], ...] = ()
+    """Data x where each step's column starts and ends."""
+
+    def x_px(self, x: float) -> float:
+        """Pixel x of data x."""
+        return self.left + (x - self.x_min) / (self.x_max - self.x_min) * (self.right - self.left)
+
+    def col_px(self, col: int) -> tuple[float, float]:
+        """Pixel x where step column ``col`` starts and ends."""
+        a, b = self.col_edges[col]
+        return self.x_px(a), self.x_px(b)
 
     def cell_point(self, row: int, col: int, fx: float = 0.5, fy: float = 0.5) -> tuple[int, int]:
         """Pixel ``(x, y)`` at fraction ``(fx, fy)`` inside cell ``(row, col)``."""
-        w = (self.right - self.left) / self.num_cols
+        a, b = self.col_px(col)
         h = (self.bottom - self.top) / self.num_rows
-        return int(self.left + (col + fx) * w), int(self.top + (row + fy) * h)
+        return int(a + fx * (b - a)), int(self.top + (row + fy) * h)
+
+
+@dataclass
+class _Columns:
+    """The drawn columns: steps, and (on a time axis) the gaps between them."""
+
+    edges: np.ndarray
+    """x of every drawn column's edges (one more than columns)."""
+    cells: np.ndarray
+    """``Cell`` values per row and drawn column."""
+    step_col: list[int]
+    """Drawn column of each step."""
+    x_min: float
+    x_max: float
+
+
+def _duration(rec: StepRecord) -> float:
+    span = rec.end_time_s - rec.time_s
+    return span if span > 0 else max(rec.step_time_s, 0.0)
+
+
+def _time_columns(grid: TimelineGrid) -> _Columns:
+    recs, t0 = grid.records, grid.t0
+    edges = [recs[0].time_s - t0]
+    # NOTE: a gap under a pixel or so cannot be drawn truthfully: it joins the step before.
+    min_gap = _MIN_GAP * (recs[-1].end_time_s - recs[0].time_s)
+    cols: list[np.ndarray] = []
+    step_col: list[int] = []
+    for c, rec in enumerate(recs):
+        start = rec.time_s - t0
+        if c and start > edges[-1] + min_gap:  # a gap: every request keeps its state
+            cols.append(_CARRY[grid.cells[:, c - 1]])
+            edges.append(start)
+        elif c:
+            edges[-1] = max(edges[-1], start)
+        step_col.append(len(cols))
+        cols.append(grid.cells[:, c])
+        edges.append(max(start + _duration(rec), edges[-1]))
+    cells = np.stack(cols, axis=1) if cols else grid.cells
+    starts = [float(a) - t0 for _, a, _ in recs[0].arrived]  # just before the window
+    x_min = min([edges[0], *starts])
+    return _Columns(np.asarray(edges), cells, step_col, x_min, max(edges[-1], x_min + 1e-6))
+
+
+def _step_columns(grid: TimelineGrid) -> _Columns:
+    cols = grid.cells.shape[1]
+    return _Columns(np.arange(cols + 1) - 0.5, grid.cells, list(range(cols)), -0.5, cols - 0.5)
 
 
 def _colormap() -> ListedColormap:
     return ListedColormap([LEGEND[c][1] for c in Cell])
 
 
-def _draw_grid(ax, grid: TimelineGrid, cell_w: float, cell_h: float) -> None:
+def _waiting_bars(grid: TimelineGrid, cols: _Columns) -> list[tuple[int, float, float]]:
+    """(row, from, to) for requests that arrived before the step where their row starts:
+    they waited from their arrival, maybe in the middle of a long step."""
+    bars = []
+    started = cols.cells != Cell.NONE
+    for r, arrival in enumerate(grid.arrivals):
+        if arrival is None or not started[r].any():
+            continue
+        begin = cols.edges[int(np.argmax(started[r]))]
+        a = max(arrival - grid.t0, cols.x_min)
+        if a < begin:
+            bars.append((r, a, float(begin)))
+    return bars
+
+
+def _draw_grid(ax, grid: TimelineGrid, cols: _Columns, geom: TimelineGeometry,
+               fontsize: float) -> None:
     rows = grid.cells.shape[0]
-    ax.imshow(
-        grid.cells, cmap=_colormap(), vmin=-0.5, vmax=len(Cell) - 0.5,
-        aspect="auto", interpolation="nearest", origin="upper",
-    )
-    step = max(1, math.ceil(rows / _MAX_LABELS))
+    ax.pcolormesh(cols.edges, np.arange(rows + 1) - 0.5, cols.cells, cmap=_colormap(),
+                  vmin=-0.5, vmax=len(Cell) - 0.5, shading="flat", antialiased=False,
+                  edgecolors="none")
+    bars = _waiting_bars(grid, cols)
+    if bars:
+        ax.barh([r for r, _, _ in bars], [b - a for _, a, b in bars],
+                left=[a for _, a, _ in bars], height=1.0, color=LEGEND[Cell.WAITING][1],
+                linewidth=0)
+    ax.set_ylim(rows - 0.5, -0.5)
+    step = max(1, -(-rows // _MAX_LABELS))
     ax.set_yticks(range(0, rows, step))
-    ax.set_yticklabels(grid.request_ids[::step], fontsize=6 if rows > 30 else 8)
-    ax.set_ylabel("request")
+    ax.set_yticklabels(grid.labels()[::step], fontsize=fontsize, family="monospace")
+    ax.set_ylabel("request (row, id)")
     # Token counts on prefill/recompute cells when a number fits in the cell.
-    if cell_h >= 9:
-        fontsize = min(8.0, cell_h * 0.55)
-        for r, c in zip(*np.nonzero(grid.cells >= Cell.PREFILL), strict=True):
-            if grid.cells[r, c] not in (Cell.PREFILL, Cell.RECOMPUTE):
-                continue
-            text = str(int(grid.tokens[r, c]))
-            if len(text) * fontsize * 0.75 + 2 > cell_w:
-                continue
-            ax.text(c, r, text, ha="center", va="center", fontsize=fontsize, color="white")
+    cell_h = (geom.bottom - geom.top) / rows
+    if cell_h < 9:
+        return
+    size = min(8.0, cell_h * 0.55)
+    for r, c in zip(*np.nonzero(np.isin(grid.cells, (Cell.PREFILL, Cell.RECOMPUTE))),
+                    strict=True):
+        a, b = geom.col_px(int(c))
+        text = str(int(grid.tokens[r, c]))
+        if len(text) * size * 0.75 + 2 > b - a:
+            continue
+        x = (geom.col_edges[c][0] + geom.col_edges[c][1]) / 2
+        ax.text(x, r, text, ha="center", va="center", fontsize=size, color="white")
 
 
-def _draw_panels(axes, grid: TimelineGrid) -> None:
+def _panel_values(grid: TimelineGrid, cols: _Columns) -> dict[str, np.ndarray]:
+    """Per drawn column: each step's values; in a gap, no tokens and no step time (0), and
+    the KV blocks and queues of the step before."""
     recs = grid.records
-    x = np.arange(len(recs))
-    style = {"drawstyle": "steps-mid", "linewidth": 1.0}
-    ax = axes[0]
-    ax.plot(x, [r.num_batched_tokens for r in recs], color="#1f5fb4", label="tokens", **style)
-    ax.plot(x, [r.token_budget for r in recs], "--", color="#555555", label="budget", lw=1)
-    ax.set_ylabel("tokens")
-    ax = axes[1]
-    ax.plot(x, [r.kv_blocks_used for r in recs], color="#9467bd", label="used", **style)
-    ax.plot(x, [r.num_gpu_blocks for r in recs], "--", color="#555555", label="pool", lw=1)
-    ax.set_ylabel("KV blocks")
-    ax = axes[2]
+    n = cols.cells.shape[1]
+    names = ("num_batched_tokens", "token_budget", "kv_blocks_used", "num_gpu_blocks",
+             "num_running", "num_waiting", "num_swapped")
+    out = {name: np.zeros(n) for name in (*names, "step_ms")}
+    for c, rec in enumerate(recs):
+        j = cols.step_col[c]
+        end = cols.step_col[c + 1] if c + 1 < len(recs) else n
+        for name in names:
+            out[name][j:end] = getattr(rec, name)
+        out["step_ms"][j] = 1000.0 * rec.step_time_s
+        out["step_ms"][j + 1:end] = 0
+        out["num_batched_tokens"][j + 1:end] = 0
+    return out
+
+
+def _draw_panels(axes, cols: _Columns, values: dict[str, np.ndarray]) -> None:
+    edges = cols.edges
+
+    def line(ax, name: str, color: str, label: str, dashed: bool = False,
+             fill: bool = False) -> None:
+        ax.stairs(values[name], edges, baseline=0 if fill else None, fill=fill, color=color,
+                  label=label, linewidth=1.0, linestyle="--" if dashed else "-")
+
+    line(axes[0], "num_batched_tokens", "#1f5fb4", "tokens")
+    line(axes[0], "token_budget", "#555555", "budget", dashed=True)
+    axes[0].set_ylabel("tokens")
+    line(axes[1], "kv_blocks_used", "#9467bd", "used")
+    line(axes[1], "num_gpu_blocks", "#555555", "pool", dashed=True)
+    axes[1].set_ylabel("KV blocks")
     for name, color in (("running", "#2ca02c"), ("waiting", "#c9a500"), ("swapped", "#9467bd")):
-        ax.plot(x, [getattr(r, f"num_{name}") for r in recs], color=color, label=name, **style)
-    ax.set_ylabel("requests")
-    ax = axes[3]
-    ax.plot(x, [1000.0 * r.step_time_s for r in recs], color="#d62728", label="step", **style)
-    ax.set_ylabel("step ms")
-    for ax in axes:
-        top = ax.dataLim.y1 if np.isfinite(ax.dataLim.y1) else 0.0
+        line(axes[2], f"num_{name}", color, name)
+    axes[2].set_ylabel("requests")
+    line(axes[3], "step_ms", "#e8878a", "step", fill=True)  # area: time in steps
+    axes[3].set_ylabel("step ms")
+    for ax, keys in zip(axes, (("num_batched_tokens", "token_budget"),
+                               ("kv_blocks_used", "num_gpu_blocks"),
+                               ("num_running", "num_waiting", "num_swapped"), ("step_ms",)),
+                        strict=True):
+        top = max(float(values[k].max(initial=0.0)) for k in keys)
         ax.set_ylim(0, max(top, 1e-9) * 1.4)  # headroom for the legend
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(loc="upper left", fontsize=7, ncol=3, framealpha=0.7)
 
 
-def plot_timeline(grid: TimelineGrid, path: str, *, title: str | None = None) -> TimelineGeometry:
-    """Draw ``grid`` and its panels to a PNG at ``path``; return where the grid landed."""
+def _left_margin(labels: list[str], fontsize: float) -> float:
+    """Room for the longest row label (monospace: ~0.6 em a character), the tick marks and
+    the axis title, as a fraction of the figure width."""
+    chars = max(map(len, labels), default=1)
+    px = chars * fontsize * DPI / 72 * 0.62 + 48
+    return min(0.3, max(0.05, px / (FIGSIZE[0] * DPI)))
+
+
+def default_title(grid: TimelineGrid) -> str:
+    """What the picture shows: steps, requests, and when (seconds since the first arrival)."""
     rows, cols = grid.cells.shape
+    steps = grid.steps
+    t_first = grid.records[0].time_s - grid.t0
+    t_last = grid.records[-1].end_time_s - grid.t0
+    return (f"kvloop step timeline: steps {steps[0]}–{steps[-1]} ({cols} of "
+            f"{grid.total_steps}), {rows} of {grid.total_requests} requests, "
+            f"{t_first:.2f}–{t_last:.2f} s after the first arrival")
+
+
+def plot_timeline(grid: TimelineGrid, path: str, *, title: str | None = None,
+                  x_axis: str = "time") -> TimelineGeometry:
+    """Draw ``grid`` and its panels to a PNG at ``path``; return where the grid landed.
+
+    ``x_axis``: ``time`` (seconds since the first arrival, steps as wide as they took) or
+    ``step`` (one column per step).
+    """
+    if x_axis not in X_AXES:
+        raise ValueError(f"x axis must be one of {', '.join(X_AXES)}, got {x_axis!r}")
+    rows, ncols = grid.cells.shape
+    cols = _time_columns(grid) if x_axis == "time" else _step_columns(grid)
+    fontsize = 6 if rows > 30 else 8
+    labels = grid.labels()
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)  # NOTE: Agg directly, never pyplot: no window, no global state
     axes = fig.subplots(
         5, 1, sharex=True,
         gridspec_kw={"height_ratios": [5, 1, 1, 1, 1], "hspace": 0.12,
-                     "left": 0.1, "right": 0.98, "top": 0.93, "bottom": 0.05},
+                     "left": _left_margin(labels, fontsize), **_MARGIN},
     )
     width_px, height_px = int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI)
     box = axes[0].get_position()
@@ -119,26 +277,23 @@ def plot_timeline(grid: TimelineGrid, path: str, *, title: str | None = None) ->
         width_px, height_px,
         left=box.x0 * width_px, top=(1 - box.y1) * height_px,
         right=box.x1 * width_px, bottom=(1 - box.y0) * height_px,
-        num_rows=rows, num_cols=cols,
+        num_rows=rows, num_cols=ncols, x_min=cols.x_min, x_max=cols.x_max,
+        col_edges=tuple((float(cols.edges[j]), float(cols.edges[j + 1]))
+                        for j in cols.step_col),
     )
-    cell_w = (geom.right - geom.left) / cols
-    cell_h = (geom.bottom - geom.top) / rows
-    _draw_grid(axes[0], grid, cell_w, cell_h)
-    _draw_panels(axes[1:], grid)
+    _draw_grid(axes[0], grid, cols, geom, fontsize)
+    _draw_panels(axes[1:], cols, _panel_values(grid, cols))
+    axes[-1].set_xlim(cols.x_min, cols.x_max)
     steps = grid.steps
-    axes[-1].set_xlim(-0.5, cols - 0.5)
-    axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
-    axes[-1].xaxis.set_major_formatter(
-        FuncFormatter(lambda v, _: str(steps[int(v)]) if 0 <= v < cols and v == int(v) else "")
-    )
-    axes[-1].set_xlabel("step")
-    t0, t1 = grid.records[0].time_s, grid.records[-1].end_time_s
-    fig.suptitle(
-        title or f"kvloop step timeline: steps {steps[0]}–{steps[-1]} "
-        f"({cols} of {grid.total_steps}), {rows} of {grid.total_requests} requests, "
-        f"t = {t0:.3f}–{t1:.3f} s",
-        fontsize=11, y=0.995,
-    )
+    if x_axis == "step":
+        axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+        axes[-1].xaxis.set_major_formatter(FuncFormatter(
+            lambda v, _: str(steps[int(v)]) if 0 <= v < ncols and v == int(v) else ""))
+        axes[-1].set_xlabel("step")
+    else:
+        axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=20))
+        axes[-1].set_xlabel("seconds since the first arrival")
+    fig.suptitle(title or default_title(grid), fontsize=11, y=0.995)
     handles = [Patch(facecolor=color, edgecolor="#888888", label=label)
                for label, color in LEGEND.values()]
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8,
