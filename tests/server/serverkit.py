@@ -113,6 +113,16 @@ class LiveServer:
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
+    @property
+    def app(self) -> Any:
+        """The FastAPI app (its ``state`` holds ``serving`` and ``prompt_workers``)."""
+        return self.server.config.app
+
+    @property
+    def serving(self) -> Any:
+        """The app's ``OpenAIServing`` (test hooks swap its ``tokenizer``)."""
+        return self.app.state.serving
+
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples by name (labels dropped but ``finished_reason``)."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -146,18 +156,23 @@ class LiveServer:
 
 def start_server(model_path: Path, *, api_key: str | None = None,
                  max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
+                 server_config: dict[str, Any] | None = None,
                  **engine_args: Any) -> LiveServer:
-    """Serve the tiny model in this process: uvicorn on a background thread."""
+    """Serve the tiny model in this process: uvicorn on a background thread.
+
+    ``server_config``: more ``ServerConfig`` fields (``max_request_bytes``, ...)."""
     args = EngineArgs(model=str(model_path), **{**ENGINE_ARGS, **engine_args})
     engine = LLMEngine.from_args(args)
     metrics = ServerMetrics(MODEL_NAME)
     aengine = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
-    app = create_app(aengine, metrics, ServerConfig(MODEL_NAME, str(model_path), api_key, 0))
+    config = ServerConfig(MODEL_NAME, str(model_path), api_key, 0, **(server_config or {}))
+    app = create_app(aengine, metrics, config)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    server = DrainingServer(config, aengine, shutdown_timeout)
+    server = DrainingServer(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), aengine,
+        shutdown_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -8,6 +8,7 @@ import logging
 from typing import IO
 
 from kvloop.cli.args import add_model_args, engine_args_from
+from kvloop.server import DEFAULT_MAX_REQUEST_BYTES
 
 RESPONSE_FLUSH_S = 5
 """After the drain, how long uvicorn may take to send the last responses."""
@@ -28,7 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 while this many requests wait (default: no limit)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/*")
+                   help="require 'Authorization: Bearer <key>' on /v1/* (any path or method: "
+                   "401 without it)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="answer 413 to a request body larger than this, before reading it "
+                   f"(default: {DEFAULT_MAX_REQUEST_BYTES} = 1 MiB, as nginx; 0: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--trace-out", default=None, help="write every step record to this JSONL")
@@ -48,6 +53,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--port must be in [0, 65535]")
     if args.log_interval < 0:
         raise ValueError("--log-interval must be >= 0")
+    if args.max_request_bytes < 0:
+        raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                                    metrics=metrics)
         tok = engine.tokenizer
         config = ServerConfig(name, str(getattr(tok, "path", args.model)), args.api_key,
-                              args.log_interval)
+                              args.log_interval, max_request_bytes=args.max_request_bytes)
         app = create_app(async_engine, metrics, config)
         server = DrainingServer(
             uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

@@ -6,8 +6,10 @@ salt, and checks that prompt + output fit the engine's ``EngineLimits``. Every r
 ``InvalidRequestError`` whose ``field`` names the bad input. Inner layers (the engine thread,
 the engine, the scheduler) trust the result; the scheduler keeps one last-line check.
 
-The functions are pure (limits and tokenizer are read-only), so the server calls them on its
-event loop and hands the validated object to the engine thread.
+The functions are pure (limits and tokenizer are read-only), so the server calls them on
+worker threads (``server/prompt_workers.py``) and hands the validated object to the engine
+thread. A text prompt too long to possibly fit is refused before it is tokenized
+(``check_prompt_chars``, with the bound of ``max_token_chars``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ __all__ = [
     "TextPrompt",
     "TokensPrompt",
     "ValidatedRequest",
+    "check_prompt_chars",
     "default_max_tokens",
     "encode_prompt",
+    "max_prompt_chars",
+    "max_token_chars",
     "validate_request",
 ]
 
@@ -114,16 +119,72 @@ class ValidatedRequest:
         return len(self.prompt_token_ids)
 
 
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token can stand for: the longest entry of the vocabulary
+    (added tokens included), or None when the tokenizer does not expose one.
+
+    NOTE: an upper bound on decoded characters per token for the tokenizers kvloop loads.
+    Byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM2) writes one vocabulary character per
+    byte, and a byte is at most one character; SentencePiece-style BPE (Llama 2, Mistral)
+    writes ``▁`` for a space and byte-fallback tokens as ``<0x0A>`` (longer than the one
+    byte they stand for). So a text of ``n`` characters is at least ``n / max_token_chars``
+    tokens, unless the normalizer deletes characters (BERT-style accent stripping) or
+    unknown characters fuse into one ``<unk>`` (no byte fallback): tokenizers kvloop's
+    model families do not use. A fixed ratio is not safe: SmolLM2 has an 81-character token
+    (a newline and 80 spaces), so "16 characters per token" would refuse valid prompts.
+    """
+    try:
+        backend = getattr(tokenizer, "backend", None)  # NOTE: Rust, ~100x faster than hf's
+        if backend is not None and hasattr(backend, "get_vocab"):
+            vocab = backend.get_vocab(with_added_tokens=True)
+        else:
+            get_vocab = getattr(getattr(tokenizer, "hf", tokenizer), "get_vocab", None)
+            if get_vocab is None:
+                return None
+            vocab = get_vocab()
+        longest = max(map(len, vocab), default=0)
+    except Exception:  # an exotic tokenizer: no bound rather than a wrong one
+        return None
+    return longest or None
+
+
+def max_prompt_chars(limits: EngineLimits, token_chars: int | None) -> int | None:
+    """Longest prompt text (characters) that can encode to fewer than
+    ``limits.max_total_tokens`` tokens when no token is longer than ``token_chars``
+    characters; None: no bound. A longer text is refused before it is tokenized."""
+    if token_chars is None:
+        return None
+    return (limits.max_total_tokens - 1) * token_chars
+
+
+def check_prompt_chars(num_chars: int, limits: EngineLimits, token_chars: int | None,
+                       field: str = "prompt") -> None:
+    """Refuse a text that must encode to more tokens than the engine takes, before any
+    tokenizer work (``InvalidRequestError`` naming ``field``; see ``max_token_chars``)."""
+    bound = max_prompt_chars(limits, token_chars)
+    if bound is not None and token_chars is not None and num_chars > bound:
+        raise InvalidRequestError(
+            field, f"{field} is {num_chars} characters, so at least "
+            f"{-(-num_chars // token_chars)} tokens (no token of this model is longer than "
+            f"{token_chars} characters); the model takes at most "
+            f"{limits.max_total_tokens - 1}")
+
+
 def encode_prompt(
-    prompt: PromptInput, limits: EngineLimits, tokenizer: Encoder | None = None
+    prompt: PromptInput, limits: EngineLimits, tokenizer: Encoder | None = None,
+    *, token_chars: int | None = None,
 ) -> EncodedPrompt:
-    """Encode and check a prompt alone (``InvalidRequestError`` with field ``prompt``)."""
+    """Encode and check a prompt alone (``InvalidRequestError`` with field ``prompt``).
+
+    ``token_chars`` (``max_token_chars(tokenizer)``): a text prompt too long to fit with
+    tokens that long is refused before it is tokenized (``check_prompt_chars``)."""
     salt = None
     if isinstance(prompt, Mapping):
         prompt, salt = _unpack(prompt)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "prompt must not be empty")
+        check_prompt_chars(len(prompt), limits, token_chars)
         if tokenizer is None:
             raise InvalidRequestError(
                 "prompt", "prompt must be token ids: this engine has no tokenizer "

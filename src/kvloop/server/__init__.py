@@ -5,7 +5,13 @@ Importing this package is cheap; FastAPI and uvicorn load with the modules that 
 
 from __future__ import annotations
 
-__all__ = ["AsyncEngine", "ServerConfig", "ServerMetrics", "create_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "AsyncEngine", "ServerConfig", "ServerMetrics",
+           "create_app"]
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+"""``--max-request-bytes``' default: 1 MiB, the request-body limit of nginx and many other
+proxies. English text that fills the default model's 8,192 tokens is ~40 KB of JSON; a
+long-context model (100k+ tokens, or such prompts as token ids) needs a larger limit."""
 
 
 def __getattr__(name: str) -> object:

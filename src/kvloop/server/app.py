@@ -2,28 +2,41 @@
 
 ``create_app`` takes an ``AsyncEngine`` that is not started yet; the app's lifespan starts
 its thread (and the periodic stats line) and stops it on shutdown.
+
+A request meets, in order: the API key check for anything under ``/v1`` (401), the body-size
+limit (413, ``middleware.py``), the drain check (503), then its body is read and handed to a
+prompt worker thread that parses, templates, tokenizes and validates it
+(``prompt_workers.py``: 429 when too many wait) before the engine thread gets it. The event
+loop itself only moves bytes, so ``/health`` and the streams in flight never wait on a
+tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 import kvloop
-from kvloop.server import errors
+from kvloop.server import errors, openapi
 from kvloop.server.async_engine import AsyncEngine
 from kvloop.server.errors import APIError
 from kvloop.server.metrics import ServerMetrics
-from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from kvloop.server.middleware import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+)
+from kvloop.server.prompt_workers import DEFAULT_MAX_BACKLOG, DEFAULT_WORKERS, PromptWorkers
+from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvloop.server.serving import Job, OpenAIServing
 from kvloop.server.stats_logger import StatsLogger
 
@@ -42,6 +55,19 @@ class ServerConfig:
     """When set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``."""
     log_interval: float = 10.0
     """Seconds between stats lines (0: never)."""
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request body (bytes) taken; larger ones get 413 before they are read
+    (None or 0: no limit)."""
+    prompt_workers: int = DEFAULT_WORKERS
+    """Threads that parse, template and tokenize request bodies."""
+    max_prompt_backlog: int = DEFAULT_MAX_BACKLOG
+    """Bodies that may wait for a prompt worker; more get 429 with ``Retry-After``."""
+
+
+class HealthStatus(BaseModel):
+    """The body of a healthy ``/health``: ``{"status": "ok"}``."""
+
+    status: str = "ok"
 
 
 class _EngineStreamingResponse(StreamingResponse):
@@ -90,6 +116,7 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[
 def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (started and stopped by its lifespan)."""
     serving = OpenAIServing(engine, config.served_model_name)
+    workers = PromptWorkers(config.prompt_workers, config.max_prompt_backlog)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -102,25 +129,25 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
         finally:
             if logger_task is not None:
                 logger_task.cancel()
+            workers.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="kvloop", version=kvloop.__version__, lifespan=lifespan)
+    app = FastAPI(title="kvloop", version=kvloop.__version__, lifespan=lifespan,
+                  description="kvloop's OpenAI-compatible API. Every error answers "
+                  "{\"error\": {\"message\", \"type\", \"param\", \"code\"}}.")
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
+    app.state.prompt_workers = workers
     errors.install(app)
+    openapi.install(app, api_key=config.api_key is not None)
+    # NOTE: the last added runs first: the key is checked before the size of the body.
+    if config.max_request_bytes:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
-    def authorize(request: Request) -> None:
-        if config.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), config.api_key.encode()
-            ):
-                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
-
-    def admit(request: Request) -> None:
-        authorize(request)
+    def admit() -> None:
         if engine.draining:
             raise APIError(503, "the server is shutting down and takes no new requests")
 
@@ -133,41 +160,56 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(body)
 
-    @app.post("/v1/completions")
+    post_errors = openapi.errors(400, 401, 404, 413, 429, 500, 503)
+
+    @app.post("/v1/completions", responses={**openapi.STREAMED_OR_JSON, **post_errors},
+              openapi_extra=openapi.request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
+        """Complete a prompt (OpenAI's legacy completions API)."""
         arrival = engine.clock()
-        admit(request)
-        req = parse(CompletionRequest, await request.body())
-        return await run(request, serving.prepare_completion(req, arrival))
+        admit()
+        body = await request.body()
+        return await run(request, await workers.run(
+            lambda: serving.completion_job(body, arrival)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**openapi.STREAMED_OR_JSON, **post_errors},
+              openapi_extra=openapi.request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        """Answer a conversation through the model's chat template."""
         arrival = engine.clock()
-        admit(request)
-        req = parse(ChatCompletionRequest, await request.body())
-        return await run(request, serving.prepare_chat(req, arrival))
+        admit()
+        body = await request.body()
+        return await run(request, await workers.run(lambda: serving.chat_job(body, arrival)))
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        authorize(request)
+    @app.get("/v1/models", responses=openapi.errors(401, 413))
+    async def models() -> dict[str, Any]:
+        """The one model served."""
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvloop", "root": config.model_root, "parent": None,
             "max_model_len": serving.max_model_len,
         }]}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthStatus},
+                                   **openapi.errors(413, 503)})
     async def health() -> Response:
+        """200 `{"status": "ok"}` while the server takes requests; 503 once it drains (after
+        SIGTERM/SIGINT) or when its engine is not running, so that load balancers stop
+        sending traffic. (The docstring is the OpenAPI description: Markdown.)"""
+        if engine.draining:
+            raise APIError(503, "the server is draining and takes no new requests")
         if not engine.is_alive:
             raise APIError(503, "the engine is not running")
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.get("/version", responses=openapi.errors(413))
     async def version() -> dict[str, str]:
+        """kvloop's version."""
         return {"version": kvloop.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.errors(413))
     async def prometheus() -> Response:
+        """Prometheus metrics (vLLM's names with a `kvloop:` prefix)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

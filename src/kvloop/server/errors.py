@@ -8,12 +8,13 @@ FastAPI's validation errors, unknown routes and unexpected exceptions into that 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("kvloop.server")
@@ -22,27 +23,67 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
 
 
-class APIError(Exception):
-    """An error the API reports to the client with ``status`` and an OpenAI error body."""
+RETRY_AFTER_S = 1
+"""``Retry-After`` (seconds) of a 429 that does not name its own."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+
+class APIError(Exception):
+    """An error the API reports to the client with ``status`` and an OpenAI error body.
+
+    ``headers`` go with the response (e.g. ``Allow`` of a 405); a 401 adds
+    ``WWW-Authenticate: Bearer`` and a 429 ``Retry-After`` unless given.
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers: dict[str, str] = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 
+    def response_headers(self) -> dict[str, str]:
+        """The response's headers: the given ones plus those the status calls for."""
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers.setdefault("WWW-Authenticate", "Bearer")
+        if self.status == 429:
+            headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+        return headers
+
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status,
+                            headers=self.response_headers() or None)
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of an OpenAI error response."""
+
+    message: str
+    """What went wrong, for people."""
+    type: str
+    """A category: ``invalid_request_error``, ``authentication_error``, ..."""
+    param: str | None = None
+    """The request field at fault, if one is."""
+    code: int
+    """The HTTP status (as vLLM sends it)."""
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx response body (the OpenAPI document's error schema)."""
+
+    error: ErrorInfo
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -100,7 +141,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        # NOTE: keeps the exception's headers (a 405's ``Allow``).
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -6,17 +6,28 @@ becomes ``SamplingParams``. Fields kvloop accepts but cannot honour yet (``n > 1
 ``best_of``, ``logit_bias``, tools) are declared so that the 400 says exactly that.
 Extras beyond OpenAI's fields follow vLLM: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``priority``, ``cache_salt``.
+
+The JSON schemas (``/openapi.json``) state the ranges and restrictions that the server checks
+(``_doc``), so that clients and fuzzers know what is valid; validation itself is unchanged,
+with its own messages naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvloop.server.errors import from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _doc(default: Any = None, **schema: Any) -> Any:
+    """A field whose JSON schema also says ``schema`` (documentation only: not enforced by
+    pydantic). Keywords at the field's level apply to the matching JSON types only
+    (``minimum`` to numbers, ``minItems`` to arrays), so ``X | None`` keeps its null."""
+    return Field(default, json_schema_extra=schema)
 
 
 class _Strict(BaseModel):
@@ -34,42 +45,45 @@ class _Sampling(_Strict):
     """Fields shared by completions and chat."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: int | None = _doc(minimum=1)
+    temperature: float | None = _doc(minimum=0)
+    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
+    n: int | None = _doc(minimum=1, maximum=1, description="Only 1 is supported.")
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stream_options: StreamOptions | None = _doc(description="Needs `stream: true`.")
+    stop: str | list[str] | None = _doc(minLength=1, items={"minLength": 1})
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
+    logit_bias: dict[str, float] | None = _doc(maxProperties=0,
+                                               description="Not supported (empty only).")
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = _doc(minimum=-1, description="0 or -1: all tokens.")
+    min_p: float | None = _doc(minimum=0, maximum=1)
+    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _doc(items={"minimum": 0})
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: str | None = _doc(minLength=1)
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = _doc(
+        ..., minLength=1, minItems=1, items={"minimum": 0, "minLength": 1, "minItems": 1},
+        description="Text, token ids, or a list of one of those.")
+    logprobs: int | None = _doc(minimum=0, maximum=20)
+    echo: bool = _doc(False, const=False, description="Not supported.")
+    suffix: str | None = _doc(maxLength=0, description="Not supported.")
+    best_of: int | None = _doc(minimum=1, maximum=1, description="Only 1 is supported.")
 
 
 class TextPart(_Strict):
     """A content part of a chat message; only ``text`` parts are supported."""
 
-    type: str
+    type: str = _doc(..., const="text", description="Only text parts are supported.")
     text: str | None = None
     image_url: dict[str, Any] | None = None
 
@@ -87,13 +101,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = _doc(..., minItems=1)
+    max_completion_tokens: int | None = _doc(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: int | None = _doc(minimum=0, maximum=20, description="Needs `logprobs: true`.")
+    response_format: dict[str, Any] | None = _doc(
+        properties={"type": {"const": "text"}}, description="Only `{\"type\": \"text\"}`.")
+    tools: list[dict[str, Any]] | None = _doc(maxItems=0, description="Not supported.")
+    tool_choice: str | dict[str, Any] | None = _doc(enum=["none", None],
+                                                    description="Only `none`.")
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 

@@ -1,8 +1,11 @@
 """From an OpenAI request body to engine input, and from engine outputs to responses.
 
-``prepare_*`` check the OpenAI-only fields, then encode and validate the request once on the
-event loop with ``intake.validate_request`` (a bad field is a 400 with ``param`` taken from
-``InvalidRequestError.field``, before the engine sees anything); ``submit`` hands the
+``completion_job``/``chat_job`` parse a raw body and ``prepare_*`` check the OpenAI-only
+fields, then encode and validate the request once with ``intake.validate_request`` (a bad
+field is a 400 with ``param`` taken from ``InvalidRequestError.field``, before the engine
+sees anything). They are pure and thread-safe: the app runs them on its prompt workers
+(``prompt_workers.py``), never on the event loop. A text longer than any prompt the model
+takes is refused before it is tokenized or templated. ``submit`` hands the
 ``ValidatedRequest`` to the engine thread; ``collect`` and ``stream`` turn its
 ``RequestOutput``s into one response body or into SSE chunks. Whatever ends a handler early
 (client disconnect, cancellation) aborts the request in the engine.
@@ -19,8 +22,10 @@ from typing import Any
 from kvloop.engine.intake import (
     EncodedPrompt,
     ValidatedRequest,
+    check_prompt_chars,
     default_max_tokens,
     encode_prompt,
+    max_token_chars,
     validate_request,
 )
 from kvloop.errors import InvalidRequestError
@@ -34,7 +39,7 @@ from kvloop.server.async_engine import (
     RequestStream,
 )
 from kvloop.server.errors import APIError, bad_request, error_body
-from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest, parse
 
 MAX_LOGPROBS = 20
 
@@ -67,6 +72,19 @@ class OpenAIServing:
         self.limits = engine.limits
         """What a request must fit (the engine's, immutable)."""
         self.max_model_len = self.limits.max_model_len
+        self.token_chars = max_token_chars(self.tokenizer) if self.tokenizer else None
+        """The most characters one token stands for (``intake.max_token_chars``): a text
+        prompt longer than ``(max_total_tokens - 1) x token_chars`` is refused before it is
+        tokenized. None: no such bound (no tokenizer, or no vocabulary to read)."""
+
+    # -- bodies (on a prompt worker) -----------------------------------------------------
+    def completion_job(self, body: bytes, arrival: float) -> Job:
+        """A ``/v1/completions`` body, parsed and validated (``APIError`` if bad)."""
+        return self.prepare_completion(parse(CompletionRequest, body), arrival)
+
+    def chat_job(self, body: bytes, arrival: float) -> Job:
+        """A ``/v1/chat/completions`` body, parsed and validated (``APIError`` if bad)."""
+        return self.prepare_chat(parse(ChatCompletionRequest, body), arrival)
 
     # -- validation ----------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -79,7 +97,9 @@ class OpenAIServing:
             raise bad_request("echo is not supported yet", "echo")
         if req.suffix:
             raise bad_request("suffix is not supported yet", "suffix")
-        if req.best_of not in (None, 1):
+        if req.best_of is not None and req.best_of < 1:
+            raise bad_request(f"best_of must be >= 1, got {req.best_of}", "best_of")
+        if req.best_of is not None and req.best_of > 1:
             raise bad_request("best_of > 1 is not supported yet", "best_of")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -118,6 +138,11 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer (skip_tokenizer_init): use "
                               "/v1/completions with token ids", "messages")
+        try:  # NOTE: the template keeps every message's content, so the sum is a floor
+            check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits,
+                               self.token_chars, "messages")
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, "messages") from None
         try:
             ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
         except Exception as exc:  # no template, or the template rejected the conversation
@@ -143,7 +168,8 @@ class OpenAIServing:
         # NOTE: intake names its own fields; these are the OpenAI body's names for them.
         names = {"prompt": "messages" if chat else "prompt", "max_tokens": mt_name}
         try:
-            enc = encode_prompt(prompt, self.limits, self.tokenizer)
+            enc = encode_prompt(prompt, self.limits, self.tokenizer,
+                                token_chars=self.token_chars)
             params = self._params(req, enc, max_tokens, mt_name, num_top)
             request = validate_request(enc, params, self.limits, tokenizer=self.tokenizer,
                                        priority=req.priority, cache_salt=req.cache_salt)
