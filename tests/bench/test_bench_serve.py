@@ -149,3 +149,20 @@ def test_payload_fields() -> None:
                                       endpoint="chat"), "m", "hi", 7)
     assert "ignore_eos" not in plain and plain["min_tokens"] == 7
     assert plain["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_progress_moves_before_the_first_request_finishes(
+        live: LiveServer, tiny: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    from kvloop.bench import progress
+
+    monkeypatch.setattr(progress, "REFRESH_S", 0.0)  # draw every event
+    report = run_bench(_config(live, tiny, num_prompts=3, progress=True))
+    assert report["summary"]["completed"] == 3
+    frames = re.split(r"[\r\n]", capsys.readouterr().err)
+    counts = [(int(m[1]), int(m[2])) for f in frames
+              if (m := re.search(r"\| (\d+)/\d+ .*done (\d+)", f))]
+    assert any(tokens > 0 and done == 0 for tokens, done in counts), frames[:8]
+    assert counts[-1] == (3 * OUTPUT_LEN, 3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -146,8 +147,10 @@ def _chunk_output(choice: dict[str, Any], chat: bool) -> bool:
 
 
 async def send(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
-               headers: dict[str, str], record: RequestRecord, start: float) -> None:
-    """POST one streaming request and fill ``record`` (never raises for request failures)."""
+               headers: dict[str, str], record: RequestRecord, start: float,
+               on_token: Callable[[], None] | None = None) -> None:
+    """POST one streaming request and fill ``record`` (never raises for request failures);
+    ``on_token`` is called on every output chunk."""
     import httpx
 
     chat = "messages" in payload
@@ -179,6 +182,8 @@ async def send(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
                         if record.first_token_time is None:
                             record.first_token_time = now
                         record.token_times.append(now)
+                        if on_token is not None:
+                            on_token()
     except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # bad stream too
         record.fail(f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS], time.perf_counter() - start)
         return

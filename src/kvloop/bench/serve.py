@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvloop.bench.client import RequestRecord, fetch_models, normalize_base_url, send
+from kvloop.bench.progress import BenchProgress
 from kvloop.bench.prompts import PromptBuilder, load_tokenizer
 from kvloop.sim.metrics import format_table, summarize_requests
 from kvloop.sim.traces import WorkloadRequest, load_trace
@@ -39,7 +40,7 @@ class ServeBenchConfig:
     """Served model name; None: the first of ``GET /v1/models``."""
     endpoint: str = "completions"
     api_key: str | None = None
-    num_prompts: int = 100
+    num_prompts: int = 20
     request_rate: float = math.inf
     """Requests per second (Poisson, or gamma with ``burstiness``); inf: all at once."""
     burstiness: float = 1.0
@@ -170,13 +171,19 @@ async def run_bench_async(cfg: ServeBenchConfig, tokenizer: Any = None) -> dict[
                    for r, t in zip(workload, texts, strict=True)]
         url = base + ENDPOINTS[cfg.endpoint]
         sem = asyncio.Semaphore(slots)
-        bar = _progress(len(records), cfg.progress)
+        bar = BenchProgress(len(records), sum(r.output_len for r in workload),
+                            enabled=cfg.progress)
 
         async def one(i: int) -> None:
+            record = records[i]
             async with sem:
                 body = _payload(cfg, model, texts[i], workload[i].output_len)
-                await send(client, url, body, headers, records[i], start)
-            bar.update(1)
+                bar.on_sent()
+                await send(client, url, body, headers, record, start, bar.on_token)
+            failed = record.status == "FINISHED_ERROR"
+            streamed = len(record.token_times)
+            bar.on_finished(workload[i].output_len, streamed,
+                            streamed if failed else record.num_output_tokens, failed)
 
         start = time.perf_counter()
         tasks = []
@@ -195,12 +202,6 @@ def run_bench(cfg: ServeBenchConfig, tokenizer: Any = None) -> dict[str, Any]:
     (``summarize_requests``'s dict, seconds), ``errors`` (message -> count) and ``requests``
     (one row per request: arrival offset, ttft, tpot, itl list, e2e, token counts, error)."""
     return asyncio.run(run_bench_async(cfg, tokenizer))
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="requests", unit="req", disable=not enabled, leave=False)
 
 
 def _report(cfg: ServeBenchConfig, model: str, records: list[RequestRecord]) -> dict[str, Any]:

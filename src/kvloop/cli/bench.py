@@ -25,51 +25,71 @@ def register(sub: argparse._SubParsersAction) -> None:
         "TPOT, ITL, e2e latency, throughput and goodput (like vLLM's benchmark_serving).",
     )
     s = p.add_argument_group("server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server, with or without /v1 (default: %(default)s)")
     s.add_argument("--model", default=None,
                    help="served model name (default: the first of GET /v1/models)")
-    s.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
+                   help="completions: /v1/completions; chat: /v1/chat/completions "
+                   "(default: %(default)s)")
+    s.add_argument("--api-key", default=None, help="sent as a Bearer token (default: none)")
     s.add_argument("--no-extra-fields", action="store_true",
                    help="send only OpenAI's fields (no ignore_eos) to servers rejecting others")
-    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    s.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per request (default: %(default)g)")
     w = p.add_argument_group("load")
-    w.add_argument("--num-prompts", type=int, default=100)
+    w.add_argument("--num-prompts", type=int, default=20,
+                   help="requests to send (default: %(default)s: about 20 s against the "
+                   "default model on a 2-core CPU; a GPU server wants hundreds)")
     w.add_argument("--request-rate", type=float, default=math.inf,
-                   help="req/s, Poisson or gamma arrivals (default inf: all at once)")
+                   help="req/s, Poisson or gamma arrivals (default: inf, all at once)")
     w.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps; 1 = Poisson, lower = burstier")
+                   help="gamma shape of the arrival gaps; 1 = Poisson, lower = burstier "
+                   "(default: %(default)g)")
     w.add_argument("--max-concurrency", type=int, default=None,
-                   help="cap on requests in flight (closed loop with the default rate)")
+                   help="cap on requests in flight (default: none; with the default rate, "
+                   "a closed loop)")
     w.add_argument("--trace", choices=TRACES, default=None,
-                   help="replay a shipped trace's arrivals and lengths")
+                   help="replay a shipped trace's arrivals and lengths instead of --dataset")
     w.add_argument("--rate-scale", type=float, default=1.0,
-                   help="multiply the trace's arrival rate")
-    w.add_argument("--seed", type=int, default=0)
+                   help="multiply the trace's arrival rate (default: %(default)g)")
+    w.add_argument("--seed", type=int, default=0,
+                   help="seed of arrivals, lengths and prompts (default: %(default)s)")
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random lengths, or ShareGPT's prompt/output lengths (shipped)")
-    d.add_argument("--random-input-len", type=int, default=128)
-    d.add_argument("--random-output-len", type=int, default=64)
-    d.add_argument("--random-range-ratio", type=float, default=0.0)
-    d.add_argument("--max-input-len", type=int, default=None, help="clip prompt lengths")
-    d.add_argument("--max-output-len", type=int, default=None, help="clip output lengths")
+                   help="random lengths, or ShareGPT's prompt/output lengths (shipped) "
+                   "(default: %(default)s)")
+    d.add_argument("--random-input-len", type=int, default=128,
+                   help="prompt tokens (default: %(default)s)")
+    d.add_argument("--random-output-len", type=int, default=64,
+                   help="output tokens asked for (max_tokens) (default: %(default)s)")
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len * [1 - r, 1 + r] (default: %(default)g)")
+    d.add_argument("--max-input-len", type=int, default=None,
+                   help="clip prompt lengths (default: no clipping)")
+    d.add_argument("--max-output-len", type=int, default=None,
+                   help="clip output lengths (default: no clipping)")
     d.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos so that every request yields exactly its output length")
     d.add_argument("--min-tokens", action="store_true",
                    help="send min_tokens = output length (vLLM, llama-cpp-python), for servers "
                    "that ignore ignore_eos")
-    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default: %(default)g, greedy)")
     d.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder (or model) to build prompts with")
+                   help="tokenizer folder (or model) to build prompts with (default: that of "
+                   "--tokenizer-model)")
     d.add_argument("--tokenizer-model", default="default",
-                   help="model whose tokenizer builds prompts when --tokenizer is not given")
+                   help="model whose tokenizer builds prompts when --tokenizer is not given "
+                   "(default: %(default)s, the embedded SmolLM2)")
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs in ms, e.g. ttft:500 tpot:50")
     o.add_argument("--json", default=None, metavar="PATH",
                    help="write the report with one row per request")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-progress", action="store_true",
+                   help="no progress line (it counts output tokens as they stream, with the "
+                   "requests sent, running and done)")
     p.set_defaults(func=run)
 
 
