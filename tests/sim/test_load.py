@@ -55,6 +55,8 @@ def test_a_servable_load_has_no_note():
     assert load["overloaded"] is False and load["queue_growth"] == pytest.approx(0.0)
     assert load["excess"] is None and load_note(load) is None
     assert load_rows(load)["Engine busy (utilisation)"] == "50.0%"
+    load["queue_growth"] = -1e-9
+    assert load_rows(load)["Queue growth (s per s of arrivals)"] == "0.000"
 
 
 def test_no_verdict_for_bursts_and_batches():

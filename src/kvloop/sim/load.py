@@ -106,7 +106,8 @@ def load_rows(load: dict[str, Any]) -> dict[str, str]:
     return {
         "Arrival rate (req/s)": "all at once" if rate is None else f"{rate:.2f}",
         "Engine busy (utilisation)": "-" if util is None else f"{100 * util:.1f}%",
-        "Queue growth (s per s of arrivals)": "-" if growth is None else f"{growth:.3f}",
+        "Queue growth (s per s of arrivals)":
+            "-" if growth is None else f"{round(growth, 3) + 0.0:.3f}",  # no "-0.000"
     }
 
 
