@@ -177,3 +177,12 @@ def test_cli_time_axis_and_row_legend(tmp_path, capsys):
     assert main(["trace", "plot", str(path), "-o", str(png), "--x-axis", "step"]) == 0
     with pytest.raises(SystemExit):
         main(["trace", "plot", str(path), "-o", str(png), "--x-axis", "steps"])
+
+
+def test_trace_summary_of_a_real_run_names_no_gpu(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(r.to_json() + "\n" for r in _long_step_trace()))
+    assert main(["trace", "summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU" not in out and "KV blocks (device / host)" in out
+    assert "Engine busy (utilisation)" in out and "overloaded" not in out

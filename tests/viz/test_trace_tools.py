@@ -101,7 +101,7 @@ def test_table_compares_line_by_line_with_simulate(tmp_path, capsys):
     sim_lines = capsys.readouterr().out.splitlines()
     assert main(["trace", "summary", str(steps)]) == 0
     trace_lines = capsys.readouterr().out.splitlines()
-    skip = ("KV blocks (GPU / CPU)", "Simulation wall time")
+    skip = ("KV blocks (device / host)", "Simulation wall time")
     keep = [line for line in sim_lines[2:] if not line.startswith(skip)]  # header, cost model
     assert keep == [line for line in trace_lines[1:] if not line.startswith(skip)]
 

@@ -228,5 +228,5 @@ def scheduler_rows(totals: dict[str, Any]) -> dict[str, Any]:
         "Prefix cache hit rate": f"{100 * totals['prefix_cache_hit_rate']:.1f}%",
         "KV usage (mean / peak)":
             f"{100 * totals['kv_usage_mean']:.1f}% / {100 * totals['kv_usage_peak']:.1f}%",
-        "KV blocks (GPU / CPU)": f"{totals['num_gpu_blocks']} / {'-' if cpu is None else cpu}",
+        "KV blocks (device / host)": f"{totals['num_gpu_blocks']} / {'-' if cpu is None else cpu}",
     }
