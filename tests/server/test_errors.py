@@ -34,7 +34,9 @@ BAD = [
     (C, {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
     (C, {"prompt": "hi", "stream": "yes"}, 400, "stream", "valid boolean"),
     (C, {"prompt": 5}, 400, "prompt", "prompt"),
-    (C, {"prompt": "hi", "n": 2}, 400, "n", "n > 1 is not supported yet"),
+    (C, {"prompt": "hi", "n": 0}, 400, "n", "at least 1"),
+    (C, {"prompt": "hi", "n": 65}, 400, "n", "exceeds max_num_seqs"),
+    (C, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "[0, max_tok"),
     (C, {"prompt": ["a", "b"]}, 400, "prompt", "not supported yet"),
     (C, {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs must be in"),
     (C, {"prompt": "hi", "echo": True}, 400, "echo", "echo is not supported"),
@@ -48,7 +50,7 @@ BAD = [
     (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens",
      "at least 1"),
     (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
-    (CHAT, {"messages": [{"role": "user"}], "n": 3}, 400, "n", "not supported yet"),
+    (CHAT, {"messages": HI, "n": -3}, 400, "n", "at least 1"),
     (CHAT, {"messages": [{"content": "x"}]}, 400, "messages", "required"),
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (CHAT, {"messages": HI, "model": "nope"}, 404, "model", "does not exist"),
@@ -82,8 +84,8 @@ def test_unknown_route_is_an_openai_404(server: LiveServer) -> None:
 
 def test_openai_client_sees_bad_request(server: LiveServer) -> None:
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported yet"):
-        client.completions.create(model=MODEL_NAME, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="exceeds max_num_seqs"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", n=1000)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="missing", messages=HI)
 

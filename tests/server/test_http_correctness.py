@@ -83,7 +83,7 @@ def test_with_the_key_routes_answer_as_usual(keyed: LiveServer) -> None:
 @pytest.mark.parametrize(("best_of", "status", "message"), [
     (0, 400, "best_of must be >= 1, got 0"),
     (-3, 400, "best_of must be >= 1, got -3"),
-    (2, 400, "best_of > 1 is not supported yet"),
+    (2, 400, "best_of must equal n"),
     (1, 200, None),
 ])
 def test_best_of(server: LiveServer, best_of: int, status: int, message: str | None) -> None:

@@ -3,6 +3,8 @@ served."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import TinyModel
 
@@ -62,6 +64,12 @@ def test_served_without_a_tokenizer(llama_model: TinyModel):
         ok = httpx.post(url, json=body, timeout=60)
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == 5
+        # NOTE: no tokenizer, no text: the choice carries the token ids (vLLM's token_ids).
+        assert ok.json()["choices"][0]["token_ids"] == llama_model.greedy([5, 17, 99, 3], 5)
+        streamed = httpx.post(url, json={**body, "stream": True}, timeout=60).text
+        ids = [t for line in streamed.splitlines() if line.startswith("data: {")
+               for t in json.loads(line[6:])["choices"][0].get("token_ids", [])]
+        assert ids == llama_model.greedy([5, 17, 99, 3], 5)
         for path, bad in [("/completions", {"prompt": "text"}),
                           ("/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}]})]:

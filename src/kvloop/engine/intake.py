@@ -75,6 +75,10 @@ class EngineLimits:
     """Tokens the device KV pool holds (blocks x block size): one request must fit alone."""
     vocab_size: int | None = None
     """Prompt token ids must be in ``[0, vocab_size)``; None: not checked."""
+    max_num_seqs: int | None = None
+    """Most sequences running at once: ``SamplingParams.n`` may not exceed it."""
+    block_size: int = 1
+    """Tokens per KV block (for what ``n`` sequences sharing a prompt need)."""
 
     @property
     def max_total_tokens(self) -> int:
@@ -270,6 +274,8 @@ def validate_request(
         raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string, "
                                   f"got {salt!r}")
     _check_fits(len(enc.prompt_token_ids), params.max_tokens, limits)
+    if params.n > 1:
+        _check_group(len(enc.prompt_token_ids), params, limits)
     return ValidatedRequest(enc.prompt_token_ids, params, enc.prompt, priority, salt)
 
 
@@ -287,3 +293,17 @@ def _check_fits(n: int, max_tokens: int, limits: EngineLimits) -> None:
         raise InvalidRequestError(
             "max_tokens", f"max_tokens {max_tokens} + prompt {n} tokens needs more KV blocks "
             f"than the cache has ({kv} tokens)")
+
+
+def _check_group(n_prompt: int, params: SamplingParams, limits: EngineLimits) -> None:
+    """``n`` sequences: seats for all, and KV for the shared prompt plus n tails."""
+    n = params.n
+    if limits.max_num_seqs is not None and n > limits.max_num_seqs:
+        raise InvalidRequestError("n", f"n {n} exceeds max_num_seqs {limits.max_num_seqs}")
+    bs = limits.block_size
+    per_seq = -(-(n_prompt + params.max_tokens) // bs)
+    shared = (n_prompt - 1) // bs
+    if (shared + n * (per_seq - shared)) * bs > limits.kv_cache_tokens:
+        raise InvalidRequestError(
+            "n", f"{n} sequences of prompt {n_prompt} + max_tokens {params.max_tokens} tokens "
+            f"need more KV blocks than the cache has ({limits.kv_cache_tokens} tokens)")

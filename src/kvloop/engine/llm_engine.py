@@ -81,6 +81,8 @@ class LLMEngine:
             max_model_len=scheduler.config.max_model_len,
             kv_cache_tokens=cache.num_gpu_blocks * cache.block_size,
             vocab_size=vocab_size,
+            max_num_seqs=scheduler.config.max_num_seqs,
+            block_size=cache.block_size,
         )
         """What every request must fit (fixed at construction; safe to read from any thread)."""
         self._tracked: dict[str, _Tracked] = {}
@@ -212,6 +214,10 @@ class LLMEngine:
         if params.n > 1:
             self._groups[rid] = params.n
         return rid
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether any sequence of the request is unfinished."""
+        return any(k in self._tracked for k in self._member_ids(request_id))
 
     def _member_ids(self, request_id: str) -> list[str]:
         """The engine-side ids of a request's sequences (itself, then its siblings)."""

@@ -157,7 +157,7 @@ class AsyncEngine:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already "
                                       "in use")
         arrival = arrival_time if arrival_time is not None else self.clock()
-        stream = RequestStream(request_id, self.abort)
+        stream = RequestStream(request_id, self.abort, request.params.n)
         with self._cond:
             limit = self.max_queued_requests
             # NOTE: waiting = the last snapshot's queue + adds the engine thread has not
@@ -195,8 +195,7 @@ class AsyncEngine:
             stream = streams.get(rid)
             if stream is None:
                 continue  # aborted by its client meanwhile
-            stream.put(item)
-            if isinstance(item, BaseException) or item.finished:
+            if stream.put(item):
                 del streams[rid]
 
     # -- the engine thread ---------------------------------------------------------------
@@ -262,8 +261,8 @@ class AsyncEngine:
         for out in outputs:
             if metrics is not None:
                 metrics.observe_output(out, now)
-            if out.finished:
-                self._live.discard(out.request_id)
+            if out.finished and not self.engine.has_request(out.request_id):
+                self._live.discard(out.request_id)  # NOTE: every sequence of it is done
             batch.append((out.request_id, out))
 
     def _abort(self, request_id: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 Decode = Callable[[int], str]
@@ -69,52 +70,81 @@ def chat_logprobs(decode: Decode, num_top: int, token_ids: list[int],
     return {"content": content}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    logprobs: dict[str, Any] | None, num_prompt: int, num_completion: int
-                    ) -> dict[str, Any]:
-    """A whole completion: the final chunk's fields plus usage."""
-    body = completion_chunk(rid, created, model, text, finish_reason, logprobs)
-    body["usage"] = usage(num_prompt, num_completion)
-    return body
+@dataclass(frozen=True)
+class Choice:
+    """One sequence's part of a whole (non-streamed) response."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+    token_ids: list[int] | None = None
+    """Output token ids, returned when the server has no tokenizer (its text is empty)."""
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[Choice],
+                    num_prompt: int, num_completion: int) -> dict[str, Any]:
+    """A whole completion: every sequence's choice, plus usage (all sequences' tokens)."""
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_with_ids({"index": c.index, "text": c.text, "logprobs": c.logprobs,
+                               "finish_reason": c.finish_reason, "stop_reason": None},
+                              c.token_ids) for c in choices],
+        "usage": usage(num_prompt, num_completion),
+    }
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str,
-                     finish_reason: str | None, logprobs: dict[str, Any] | None
+                     finish_reason: str | None, logprobs: dict[str, Any] | None,
+                     *, index: int = 0, token_ids: list[int] | None = None
                      ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                     "finish_reason": finish_reason, "stop_reason": None}],
+        "choices": [_with_ids({"index": index, "text": text, "logprobs": logprobs,
+                               "finish_reason": finish_reason, "stop_reason": None},
+                              token_ids)],
     }
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-              logprobs: dict[str, Any] | None, num_prompt: int, num_completion: int
-              ) -> dict[str, Any]:
+def chat_body(rid: str, created: int, model: str, choices: list[Choice],
+              num_prompt: int, num_completion: int) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [_with_ids({"index": c.index,
+                               "message": {"role": "assistant", "content": c.text},
+                               "logprobs": c.logprobs, "finish_reason": c.finish_reason},
+                              c.token_ids) for c in choices],
         "usage": usage(num_prompt, num_completion),
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any],
-               finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+               finish_reason: str | None, logprobs: dict[str, Any] | None,
+               *, index: int = 0) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                      "finish_reason": finish_reason}],
     }
+
+
+def _with_ids(choice: dict[str, Any], token_ids: list[int] | None) -> dict[str, Any]:
+    # NOTE: as vLLM's ``return_token_ids``: a server without a tokenizer returns ids.
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, num_prompt: int,

@@ -48,7 +48,10 @@ class _Sampling(_Strict):
     max_tokens: int | None = _doc(minimum=1)
     temperature: float | None = _doc(minimum=0)
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
-    n: int | None = _doc(minimum=1, maximum=1, description="Only 1 is supported.")
+    n: int | None = _doc(minimum=1, description="Sequences sampled from the prompt (at most "
+                         "the server's max_num_seqs); they share its KV blocks.")
+    min_tokens: int | None = _doc(minimum=0, description="vLLM's: EOS and stop_token_ids "
+                                  "cannot end the output before this many tokens.")
     stream: bool = False
     stream_options: StreamOptions | None = _doc(description="Needs `stream: true`.")
     stop: str | list[str] | None = _doc(minLength=1, items={"minLength": 1})
@@ -77,7 +80,8 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = _doc(minimum=0, maximum=20)
     echo: bool = _doc(False, const=False, description="Not supported.")
     suffix: str | None = _doc(maxLength=0, description="Not supported.")
-    best_of: int | None = _doc(minimum=1, maximum=1, description="Only 1 is supported.")
+    best_of: int | None = _doc(minimum=1, description="Only equal to n (as vLLM V1): "
+                               "kvloop returns every sequence it samples.")
 
 
 class TextPart(_Strict):

@@ -99,8 +99,9 @@ class OpenAIServing:
             raise bad_request("suffix is not supported yet", "suffix")
         if req.best_of is not None and req.best_of < 1:
             raise bad_request(f"best_of must be >= 1, got {req.best_of}", "best_of")
-        if req.best_of is not None and req.best_of > 1:
-            raise bad_request("best_of > 1 is not supported yet", "best_of")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request("best_of must equal n: kvloop returns every sequence it samples "
+                              "(as vLLM V1)", "best_of")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -156,9 +157,8 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
-        if req.n is not None and req.n != 1:
-            raise bad_request("n must be at least 1" if req.n < 1 else
-                              "n > 1 is not supported yet", "n")
+        if req.n is not None and req.n < 1:
+            raise bad_request(f"n must be at least 1, got {req.n}", "n")
         if req.logit_bias:
             raise bad_request("logit_bias is not supported yet", "logit_bias")
 
@@ -204,6 +204,8 @@ class OpenAIServing:
             stop_token_ids=list(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=num_top,
+            n=_or(req.n, 1),
+            min_tokens=_or(req.min_tokens, 0),
         )
 
     # -- running -------------------------------------------------------------------------
@@ -224,47 +226,58 @@ class OpenAIServing:
 
     async def collect(self, job: Job, stream: RequestStream) -> dict[str, Any]:
         """Run the request to its end; the response body (``APIError`` if it failed)."""
-        token_ids: list[int] = []
-        entries: list[dict[int, float]] = []
-        last = None
+        n = job.request.params.n
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        entries: list[list[dict[int, float]]] = [[] for _ in range(n)]
+        finals: list[Any] = [None] * n
         try:
             async for out in stream:
-                last = out
+                i = out.index
+                if out.finished:
+                    finals[i] = out
                 if job.num_top is not None and out.new_logprobs:
-                    token_ids.extend(out.new_token_ids)
-                    entries.extend(out.new_logprobs)
+                    token_ids[i].extend(out.new_token_ids)
+                    entries[i].extend(out.new_logprobs)
         except RequestAbortedError as exc:
             raise APIError(exc.status, f"request aborted: {exc}") from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         finally:
             stream.abort()  # NOTE: a no-op once finished; aborts on cancellation (disconnect)
-        assert last is not None
-        if last.finish_reason == "error":
-            raise APIError(500, last.error or "the model step failed")
-        lp = None
-        n_prompt, n_out = last.num_prompt_tokens, last.num_output_tokens
-        if job.chat:
+        assert all(f is not None for f in finals), "the stream ended before every sequence"
+        for f in finals:
+            if f.finish_reason == "error":
+                raise APIError(500, f.error or "the model step failed")
+        choices = []
+        for i, f in enumerate(finals):
+            lp = None
             if job.num_top is not None:
-                lp = fmt.chat_logprobs(self._decode, job.num_top, token_ids, entries)
-            return fmt.chat_body(job.request_id, job.created, self.model_name, last.text or "",
-                                 last.finish_reason, lp, n_prompt, n_out)
-        if job.num_top is not None:
-            lp = fmt.CompletionLogprobs(self._decode, job.num_top).build(token_ids, entries)
-        return fmt.completion_body(job.request_id, job.created, self.model_name, last.text or "",
-                                   last.finish_reason, lp, n_prompt, n_out)
+                lp = (fmt.chat_logprobs(self._decode, job.num_top, token_ids[i], entries[i])
+                      if job.chat else fmt.CompletionLogprobs(self._decode, job.num_top)
+                      .build(token_ids[i], entries[i]))
+            choices.append(fmt.Choice(i, f.text or "", f.finish_reason, lp,
+                                      None if self.tokenizer else f.token_ids))
+        n_prompt = finals[0].num_prompt_tokens
+        n_out = sum(f.num_output_tokens for f in finals)
+        make = fmt.chat_body if job.chat else fmt.completion_body
+        return make(job.request_id, job.created, self.model_name, choices, n_prompt, n_out)
 
     async def stream(self, job: Job, stream: RequestStream) -> AsyncIterator[str]:
         """SSE chunks of the request, then the usage chunk if asked, then ``[DONE]``."""
         rid, created, model = job.request_id, job.created, self.model_name
-        comp_lp = fmt.CompletionLogprobs(self._decode, job.num_top or 0)
-        n_prompt, n_out = job.request.num_prompt_tokens, 0
+        n = job.request.params.n
+        comp_lp = [fmt.CompletionLogprobs(self._decode, job.num_top or 0) for _ in range(n)]
+        n_prompt, outs = job.request.num_prompt_tokens, [0] * n
         try:
             if job.chat:
-                yield fmt.sse(fmt.chat_chunk(rid, created, model,
-                                             {"role": "assistant", "content": ""}, None, None))
+                for i in range(n):
+                    yield fmt.sse(fmt.chat_chunk(rid, created, model, {"role": "assistant",
+                                                                      "content": ""},
+                                                 None, None, index=i))
             async for out in stream:
-                n_out = out.num_output_tokens
+                i = out.index
+                outs[i] = out.num_output_tokens
+                n_out = sum(outs)
                 if out.finish_reason == "error":
                     yield fmt.sse(error_body(500, out.error or "the model step failed"))
                     break
@@ -278,19 +291,25 @@ class OpenAIServing:
                 if job.num_top is not None:
                     lp = (fmt.chat_logprobs(self._decode, job.num_top, out.new_token_ids,
                                             out.new_logprobs or []) if job.chat else
-                          comp_lp.build(out.new_token_ids, out.new_logprobs or []))
+                          comp_lp[i].build(out.new_token_ids, out.new_logprobs or []))
+                ids = None if self.tokenizer else out.new_token_ids
                 if job.chat:
-                    delta = {"content": out.new_text} if out.new_text or reason is None else {}
-                    chunk = fmt.chat_chunk(rid, created, model, delta, reason, lp)
+                    delta: dict[str, Any] = (
+                        {"content": out.new_text} if out.new_text or reason is None else {})
+                    if ids is not None:
+                        delta["token_ids"] = ids
+                    chunk = fmt.chat_chunk(rid, created, model, delta, reason, lp, index=i)
                 else:
-                    chunk = fmt.completion_chunk(rid, created, model, out.new_text, reason, lp)
+                    chunk = fmt.completion_chunk(rid, created, model, out.new_text, reason, lp,
+                                                 index=i, token_ids=ids)
                 if job.continuous_usage:
                     chunk["usage"] = fmt.usage(n_prompt, n_out)
                 yield fmt.sse(chunk)
             else:
                 if job.include_usage:
                     obj = "chat.completion.chunk" if job.chat else "text_completion"
-                    yield fmt.sse(fmt.usage_chunk(rid, created, model, obj, n_prompt, n_out))
+                    yield fmt.sse(fmt.usage_chunk(rid, created, model, obj, n_prompt,
+                                                  sum(outs)))
         except RequestAbortedError as exc:
             yield fmt.sse(error_body(exc.status, f"request aborted: {exc}"))
         except ValueError as exc:

@@ -33,15 +33,25 @@ class RequestStream:
     and, when logprobs were asked for, only the new tokens' ``logprobs``.
     """
 
-    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, abort: Callable[[str], None], n: int = 1) -> None:
         self.request_id = request_id
         self.finished = False
         self._abort = abort
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._unfinished_in = n
+        """Sequences whose final output was not put yet (``SamplingParams.n``)."""
+        self._unfinished_out = n
+        """Sequences whose final output was not read yet."""
 
-    def put(self, item: Item) -> None:
-        """Called on the event loop by the engine's delivery callback."""
+    def put(self, item: Item) -> bool:
+        """Called on the event loop by the engine's delivery callback; True once the
+        request is over (an error, or every sequence's final output)."""
         self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            return True
+        if item.finished:
+            self._unfinished_in -= 1
+        return self._unfinished_in <= 0
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -54,7 +64,8 @@ class RequestStream:
             self.finished = True
             raise item
         if item.finished:
-            self.finished = True
+            self._unfinished_out -= 1
+            self.finished = self._unfinished_out <= 0
         return item
 
     def abort(self) -> None:
