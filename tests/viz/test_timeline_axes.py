@@ -141,6 +141,8 @@ def test_short_ids():
         ids, short, strict=True))
     assert short_ids(["10", "11", "12"]) == ["10", "11", "12"]  # no digit stripped
     assert short_ids(["req-1", "req-2"]) == ["1", "2"]
+    assert short_ids(["req-1", "req-10"]) == ["1", "10"]
+    assert short_ids(["a-b", "a-"]) == ["a-b", "a-"]  # nothing left of an id: keep all
     assert short_ids(["a"]) == ["a"] and short_ids([]) == []
 
 
@@ -151,12 +153,20 @@ def test_short_ids_label_rows_by_themselves():
         text = text.replace(f'"{old}"', f'"{new}"')
     records = [StepRecord.from_dict(json.loads(line)) for line in text.splitlines()]
     grid = build_grid(records, select_window(records))
+    assert grid.labels() == ["0", "1", "2"] and not grid.ids_cut
+    assert grid.label_title() == "request (id)"
+    for new, old in enumerate("012"):
+        text = text.replace(f'"{old}"', f'"azure-conv-{new}"')
+    records = [StepRecord.from_dict(json.loads(line)) for line in text.splitlines()]
+    grid = build_grid(records, select_window(records))
     assert grid.labels() == ["0", "1", "2"]
+    assert grid.label_title() == "request (id after 'azure-conv-')"
 
 
 def test_labels_are_not_cut(tmp_path):
     grid, geom, img = _plot(_long_step_trace(), tmp_path)
-    assert grid.labels()[0] == "1 14fa92487d…"
+    assert grid.labels()[0] == "1 14fa92487d…" and grid.ids_cut
+    assert grid.label_title() == "request (row, id after 'cmpl-')"
     # Ink left of the grid (the labels) but none at the image's left edge.
     left = img[int(geom.top):int(geom.bottom), : int(geom.left) - 8, :3]
     ink = np.nonzero((left < 0.5).all(axis=2).any(axis=0))[0]

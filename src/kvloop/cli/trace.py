@@ -63,8 +63,7 @@ def run_plot(args: argparse.Namespace) -> int:
     rows, cols = grid.cells.shape
     print(f"kvloop trace plot: {rows} requests x {cols} steps "
           f"({grid.steps[0]}:{grid.steps[-1] + 1}) -> {args.output}")
-    labels = grid.labels()
-    if any(not label.endswith(rid) for label, rid in zip(labels, grid.request_ids, strict=True)):
+    if grid.ids_cut:
         legend = Path(args.output).with_suffix(".rows.tsv")
         legend.write_text(rows_legend(grid), encoding="utf-8")
         print(f"rows are labelled with short ids; full ids -> {legend}")

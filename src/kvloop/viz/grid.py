@@ -23,6 +23,7 @@ __all__ = [
     "TimelineGrid",
     "Window",
     "build_grid",
+    "id_prefix",
     "parse_requests",
     "parse_steps",
     "select_window",
@@ -95,22 +96,31 @@ def parse_requests(text: str) -> list[str] | int:
     return ids
 
 
-def short_ids(ids: list[str], keep: int = SHORT_ID) -> list[str]:
-    """Short, still distinct, labels for request ids.
-
-    A prefix all ids share up to a separator (``cmpl-``, ``chatcmpl-``) is dropped, then
-    each id is cut to ``keep`` characters with a trailing ``…``; where two cut ids collide
-    more characters are kept. Ids that are short already stay as they are.
-    """
+def id_prefix(ids: list[str]) -> str:
+    """The prefix all ``ids`` share, up to and including its last separator (``cmpl-``,
+    ``azure-conv-``); empty when there is none."""
     if not ids:
-        return []
+        return ""
     common = ids[0]
     for rid in ids[1:]:
         while not rid.startswith(common):
             common = common[:-1]
     seps = [m.end() for m in re.finditer(r"[-_:./]", common)]
     drop = seps[-1] if seps else 0
-    rest = [rid[drop:] or rid for rid in ids]
+    return common[:drop] if all(len(rid) > drop for rid in ids) else ""
+
+
+def short_ids(ids: list[str], keep: int = SHORT_ID) -> list[str]:
+    """Short, still distinct, labels for request ids.
+
+    The shared prefix (:func:`id_prefix`) is dropped, then each id longer than ``keep``
+    characters is cut to ``keep`` with a trailing ``…``; where two cut ids collide more
+    characters are kept.
+    """
+    if not ids:
+        return []
+    drop = len(id_prefix(ids))
+    rest = [rid[drop:] for rid in ids]
     n = keep
     while True:
         out = [r if len(r) <= n + 1 else r[:n] + "…" for r in rest]
@@ -146,14 +156,26 @@ class TimelineGrid:
     def steps(self) -> list[int]:
         return [r.step for r in self.records]
 
+    @property
+    def ids_cut(self) -> bool:
+        """Whether row labels cut request ids short (then they carry row numbers)."""
+        return any(s.endswith("…") for s in short_ids(self.request_ids))
+
     def labels(self) -> list[str]:
-        """Row labels: the request ids when they are short, else the row number and a short
-        id (see :func:`short_ids`; ``kvloop trace plot`` writes the full ids by number)."""
+        """Row labels: the request ids less their shared prefix (:func:`id_prefix`); where
+        ids are long, the row number and a short id (:func:`short_ids`; ``kvloop trace plot``
+        writes the full ids by number)."""
         short = short_ids(self.request_ids)
-        if short == self.request_ids:
-            return list(short)
+        if not self.ids_cut:
+            return short
         width = len(str(max(self.numbers, default=0)))
         return [f"{n:>{width}} {s}" for n, s in zip(self.numbers, short, strict=True)]
+
+    def label_title(self) -> str:
+        """The y axis title: what the row labels are."""
+        prefix = id_prefix(self.request_ids)
+        what = "request (row, id" if self.ids_cut else "request (id"
+        return what + (f" after {prefix!r})" if prefix else ")")
 
 
 def _lifespans(records: list[StepRecord]) -> dict[str, tuple[int, int]]:

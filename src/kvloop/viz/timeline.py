@@ -167,7 +167,7 @@ def _draw_grid(ax, grid: TimelineGrid, cols: _Columns, geom: TimelineGeometry,
     step = max(1, -(-rows // _MAX_LABELS))
     ax.set_yticks(range(0, rows, step))
     ax.set_yticklabels(grid.labels()[::step], fontsize=fontsize, family="monospace")
-    ax.set_ylabel("request (row, id)")
+    ax.set_ylabel(grid.label_title())
     # Token counts on prefill/recompute cells when a number fits in the cell.
     cell_h = (geom.bottom - geom.top) / rows
     if cell_h < 9:
