@@ -145,7 +145,8 @@ def test_limits_and_default_max_tokens():
 
 def test_engine_limits_come_from_its_configs():
     e = _engine()
-    assert e.limits == EngineLimits(max_model_len=256, kv_cache_tokens=200, vocab_size=1000)
+    assert e.limits == EngineLimits(max_model_len=256, kv_cache_tokens=200, vocab_size=1000,
+                                    max_num_seqs=256, block_size=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         e.limits.max_model_len = 1  # type: ignore[misc]
 

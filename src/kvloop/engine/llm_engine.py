@@ -25,6 +25,8 @@ from kvloop.engine.intake import (
     EngineLimits,
     PromptInput,
     ValidatedRequest,
+    encode_prompt,
+    max_token_chars,
     validate_request,
 )
 from kvloop.engine.outputs import RequestMetrics, RequestOutput
@@ -85,6 +87,8 @@ class LLMEngine:
             block_size=cache.block_size,
         )
         """What every request must fit (fixed at construction; safe to read from any thread)."""
+        self._token_chars = max_token_chars(tokenizer) if tokenizer is not None else None
+        """A text prompt longer than this many characters per token is refused unread."""
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, int] = {}
         """Requests with ``n > 1`` sequences -> n, while any of them is unfinished."""
@@ -156,6 +160,9 @@ class LLMEngine:
     ) -> ValidatedRequest:
         """Check and encode a request against this engine's limits (``InvalidRequestError``
         naming the field). Pure: safe on any thread; the engine is not touched."""
+        if not isinstance(prompt, EncodedPrompt):
+            prompt = encode_prompt(prompt, self.limits, self.tokenizer,
+                                   token_chars=self._token_chars)
         return validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
                                 priority=priority, cache_salt=cache_salt)
 
