@@ -225,8 +225,34 @@ def test_cache_converts_once_and_again_when_the_file_changes(tiny_gguf, cache, m
     assert (first / "model.safetensors").stat().st_mtime_ns == mtime
     assert [p.name for p in (cache / "gguf").iterdir()] == [first.name]  # tmp dirs gone
 
-    os.utime(tiny_gguf, ns=(0, 10**18))
+    os.utime(tiny_gguf, ns=(0, 10**18))  # touched, same bytes: hashed again, not converted
+    assert resolve_model(tiny_gguf) == first and len(calls) == 1
+    data = bytearray(tiny_gguf.read_bytes())
+    data[-1] ^= 1  # one bit of a weight
+    tiny_gguf.write_bytes(bytes(data))
     assert resolve_model(tiny_gguf) != first and len(calls) == 2
+
+
+def test_cache_is_keyed_by_content_not_path(tiny_gguf, tmp_path, cache, monkeypatch):
+    """Two paths to the same bytes (two virtual environments) share one converted folder,
+    and a warm start reads the hash from the index instead of hashing the file again."""
+    calls, hashed = [], []
+    real_convert, real_blake = model_source.convert_gguf_into, model_source.hashlib.blake2b
+    monkeypatch.setattr(model_source, "convert_gguf_into",
+                        lambda src, out: (calls.append(src), real_convert(src, out)))
+    monkeypatch.setattr(model_source.hashlib, "blake2b",
+                        lambda *a, **k: (hashed.append(1), real_blake(*a, **k))[1])
+    other = tmp_path / "venv2" / "site-packages" / "renamed.gguf"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(tiny_gguf.read_bytes())
+    first = resolve_model(tiny_gguf)
+    assert resolve_model(other) == first and len(calls) == 1 and len(hashed) == 2
+    assert resolve_model(tiny_gguf) == first and resolve_model(other) == first
+    assert len(hashed) == 2  # both hashes came from the index
+    index = json.loads((cache / model_source.HASH_INDEX).read_text())
+    assert sorted(index) == sorted(str(p.resolve()) for p in (tiny_gguf, other))
+    assert [p.name for p in (cache / "gguf").iterdir()] == [first.name]
+    assert tiny_gguf.name not in first.name  # the name is the content hash
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, cache):

@@ -1,20 +1,53 @@
-"""``kvloop generate``: one or more prompts through the real engine, completions printed."""
+"""``kvloop generate``: one or more prompts through the real engine, completions printed.
+
+One prompt streams its text to stdout as it is generated; a batch prints each completion
+when it finishes (``[i] text``, ``i`` the prompt's index). Start-up phases (converting a GGUF
+file once, loading, the KV cache) and the sampling settings in effect are one line each on
+stderr, as is a ``[length]`` note for a reply cut by ``--max-tokens``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+from collections.abc import Iterator
+from dataclasses import fields, replace
+from typing import IO, Any
 
 from kvloop.cli.args import add_model_args, engine_args_from
+from kvloop.engine.generation_config import DEFAULT_MODEL_GENERATION_CONFIG
 from kvloop.sampling_params import SamplingParams
+
+_NEUTRAL = SamplingParams()
+# flag -> SamplingParams field, for the flags whose default is the generation config's
+_SAMPLING_FLAGS = {
+    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+    "top_k": "top_k", "min_p": "min_p", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+    "sampling_seed": "seed", "logprobs": "logprobs",
+}
+_SHOWN = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def _default(name: str) -> str:
+    """Help text for a flag whose default comes from the generation config."""
+    value = getattr(_NEUTRAL, name)
+    model = DEFAULT_MODEL_GENERATION_CONFIG.get(
+        "max_new_tokens" if name == "max_tokens" else name)
+    own = f"; --model default: {model}" if model is not None else ""
+    return f"(default: the model's generation config{own}; else {value})"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate completions with a real model",
-        description="Generate with kvloop's engine (default: the embedded SmolLM2-135M).",
+        description="Generate with kvloop's engine (default: the embedded SmolLM2-135M). "
+        "Sampling flags left out take the model's defaults from its generation_config.json "
+        "(--generation-config auto), else vLLM's neutral ones (--generation-config vllm).",
     )
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeat for a batch); with --skip-tokenizer-init, token ids "
@@ -22,42 +55,88 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    s.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help=f"most tokens to generate {_default('max_tokens')}")
+    s.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help=f"0 for greedy {_default('temperature')}")
+    s.add_argument("--top-p", type=float, default=None, metavar="P", help=_default("top_p"))
+    s.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help=f"0 or -1: all tokens {_default('top_k')}")
+    s.add_argument("--min-p", type=float, default=None, metavar="P", help=_default("min_p"))
+    s.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help=_default("repetition_penalty"))
+    s.add_argument("--presence-penalty", type=float, default=None, metavar="X",
+                   help=f"(default: {_NEUTRAL.presence_penalty})")
+    s.add_argument("--frequency-penalty", type=float, default=None, metavar="X",
+                   help=f"(default: {_NEUTRAL.frequency_penalty})")
+    s.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request seed (default: the engine's --seed)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--logprobs", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    s.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    s.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each output token's log-probability and the top N "
+                   "alternatives (in --json too)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (as each finishes)")
     p.add_argument("--trace-out", default=None, metavar="PATH",
                    help="write one step record per line (JSONL)")
     add_model_args(p)
     p.set_defaults(func=run)
 
 
+def sampling_params(defaults: SamplingParams, args: argparse.Namespace) -> SamplingParams:
+    """``defaults`` (the model's) with every sampling flag that was given set over them."""
+    given = {field: getattr(args, flag) for flag, field in _SAMPLING_FLAGS.items()
+             if getattr(args, flag) is not None}
+    if args.stop:
+        given["stop"] = list(args.stop)
+    if args.ignore_eos:
+        given["ignore_eos"] = True
+    known = {f.name for f in fields(SamplingParams)}
+    return replace(defaults, **{k: v for k, v in given.items() if k in known})
+
+
+def show_sampling(params: SamplingParams, from_config: dict[str, Any]) -> str:
+    """The status line naming the sampling settings in effect and where they came from."""
+    shown = " ".join(f"{name}={getattr(params, name)}" for name in _SHOWN)
+    origin = ("the model's generation config" if from_config else "vLLM's neutral defaults")
+    return f"sampling: {shown} (flags given, else {origin})"
+
+
+class _StatusHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes ``kvloop: message`` to whatever ``sys.stderr`` is at each line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("kvloop: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> IO[str]:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def status_to_stderr() -> Iterator[None]:
+    """Send kvloop's INFO status lines (start-up phases) to stderr while the block runs."""
+    log = logging.getLogger("kvloop")
+    handler, level = _StatusHandler(), log.level
+    log.addHandler(handler)
+    if level == logging.NOTSET or level > logging.INFO:
+        log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvloop.engine.llm import LLM
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
     ea = engine_args_from(args)
     prompts: list = args.prompt
     if ea.skip_tokenizer_init:
@@ -71,36 +150,124 @@ def run(args: argparse.Namespace) -> int:
             print("kvloop: error: --prompt must be token ids (e.g. 1,2,3) with "
                   "--skip-tokenizer-init", file=sys.stderr)
             return 2
-    llm = LLM(**vars(ea), trace_out=args.trace_out)
-    if args.chat:
-        convs = []
-        for prompt in args.prompt:
-            msgs = [{"role": "system", "content": args.system}] if args.system else []
-            convs.append([*msgs, {"role": "user", "content": prompt}])
-        outputs = llm.chat(convs, params, use_tqdm=False)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    llm.close()
-    for out in outputs:
-        if args.json:
-            m = out.metrics
-            print(
-                json.dumps(
-                    {
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "finish_reason": out.finish_reason,
-                        "ttft_s": m.ttft if m else None,
-                        "tpot_s": m.tpot if m else None,
-                        "e2e_s": m.e2e if m else None,
-                    }
-                )
-            )
-        elif ea.skip_tokenizer_init:
-            print(" ".join(map(str, out.token_ids or [])))
+    sampling_params(SamplingParams(), args)  # bad flags fail now, not after loading
+    with status_to_stderr():
+        llm = LLM(**vars(ea), trace_out=args.trace_out)
+    params = sampling_params(llm.get_default_sampling_params(), args)
+    print(f"kvloop: {show_sampling(params, llm.default_sampling)}", file=sys.stderr)
+    printer = _Printer(llm.get_tokenizer(), args.json, single=len(prompts) == 1,
+                       logprobs=params.logprobs)
+    try:
+        if args.chat:
+            convs = []
+            for prompt in args.prompt:
+                msgs = [{"role": "system", "content": args.system}] if args.system else []
+                convs.append([*msgs, {"role": "user", "content": prompt}])
+            llm.chat(convs, params, use_tqdm=False, on_output=printer)
         else:
-            print(out.text)
-        if out.error:
-            print(f"kvloop: error: {out.error}", file=sys.stderr)
-            return 1
-    return 0
+            llm.generate(prompts, params, use_tqdm=False, on_output=printer)
+    finally:
+        llm.close()
+    return 1 if printer.failed else 0
+
+
+class _Printer:
+    """Prints outputs as they come: the single prompt's text streamed, a batch's completions
+    as each finishes; logprobs, the ``[length]`` note and errors after each completion."""
+
+    def __init__(self, tokenizer: Any, as_json: bool, *, single: bool,
+                 logprobs: int | None = None, out: IO[str] | None = None) -> None:
+        self.tok = tokenizer
+        self.as_json = as_json
+        self.single = single
+        self.logprobs = logprobs
+        self.out = out
+        self.failed = False
+        self._streamed = False
+
+    def __call__(self, index: int, output: Any) -> None:
+        out = self.out or sys.stdout
+        if self.single and not self.as_json:
+            self._stream(output, out)
+        if not output.finished:
+            return
+        if self.as_json:
+            print(json.dumps(self._json(index, output)), file=out, flush=True)
+        else:
+            if not self.single:
+                print(f"[{index}] {self._text(output)}", file=out)
+            elif self._streamed or output.token_ids:
+                print(file=out)
+            if output.logprobs:
+                for line in self._logprob_lines(output):
+                    print(line, file=out)
+            out.flush()
+        where = "" if self.single else f" (prompt {index})"
+        if output.finish_reason == "length":
+            print(f"kvloop: [length] the reply{where} stopped at {output.num_output_tokens} "
+                  "tokens (max_tokens); raise --max-tokens for more", file=sys.stderr)
+        if output.error:
+            self.failed = True
+            print(f"kvloop: error{where}: {output.error}", file=sys.stderr)
+
+    def _stream(self, output: Any, out: IO[str]) -> None:
+        if self.tok is None:
+            piece = " ".join(map(str, output.new_token_ids))
+            if piece and self._streamed:
+                piece = " " + piece
+        else:
+            piece = output.new_text
+        if piece:
+            out.write(piece)
+            out.flush()
+            self._streamed = True
+
+    def _text(self, output: Any) -> str:
+        if self.tok is None:
+            return " ".join(map(str, output.token_ids or []))
+        return output.text or ""
+
+    def _token(self, token_id: int) -> str:
+        if self.tok is None:
+            return str(token_id)
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _json(self, index: int, output: Any) -> dict[str, Any]:
+        m = output.metrics
+        data: dict[str, Any] = {
+            "index": index,
+            "text": output.text,
+            "token_ids": output.token_ids,
+            "finish_reason": output.finish_reason,
+            "ttft_s": m.ttft if m else None,
+            "tpot_s": m.tpot if m else None,
+            "e2e_s": m.e2e if m else None,
+        }
+        if output.logprobs is not None:
+            data["logprobs"] = [
+                {"token_id": tid, "token": self._token(tid), "logprob": lp,
+                 "top_logprobs": [{"token_id": t, "token": self._token(t), "logprob": v}
+                                  for t, v in top]}
+                for tid, lp, top in self._top(output)]
+        if output.error:
+            data["error"] = output.error
+        return data
+
+    def _top(self, output: Any) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """Per output token: (sampled id, its logprob, the top N asked for, best first; the
+        engine's dict holds those and the sampled token)."""
+        k = self.logprobs or 0
+        rows = []
+        for token_id, lps in zip(output.token_ids or [], output.logprobs or [], strict=False):
+            ranked = sorted(lps.items(), key=lambda kv: (-kv[1], kv[0]))
+            rows.append((token_id, lps.get(token_id, float("nan")), ranked[:k]))
+        return rows
+
+    def _logprob_lines(self, output: Any) -> list[str]:
+        lines = ["logprobs (token: logprob | top alternatives):"]
+        for i, (tid, lp, top) in enumerate(self._top(output)):
+            alts = ", ".join(f"{json.dumps(self._token(t), ensure_ascii=False)} {v:.3f}"
+                             for t, v in top)
+            token = json.dumps(self._token(tid), ensure_ascii=False)
+            lines.append(f"{i:>4}  {token:<18} {lp:8.3f}  | {alts}")
+        return lines

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -10,6 +12,7 @@ from tqdm import tqdm
 
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
+from kvloop.engine.generation_config import default_sampling_fields
 from kvloop.engine.intake import PromptInput, ValidatedRequest
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
@@ -17,24 +20,51 @@ from kvloop.errors import InvalidRequestError
 from kvloop.sampling_params import SamplingParams
 
 Message = dict[str, str]
+OutputHook = Callable[[int, RequestOutput], None]
+"""Called with (prompt index, output) for each request's progress in every step."""
+
+logger = logging.getLogger("kvloop.engine")
 
 
 class LLM:
     """Batch generation over kvloop's scheduler loop.
 
     ``LLM(model="default", max_num_seqs=64, ...)`` takes any ``EngineArgs`` field as a
-    keyword; an unknown one is a ``ValueError`` naming it.
+    keyword; an unknown one is a ``ValueError`` naming it. Without ``SamplingParams``,
+    ``generate`` and ``chat`` sample with ``get_default_sampling_params()``: the model's
+    generation config (``generation_config="auto"``) over vLLM's neutral defaults.
+
+    Start-up logs one line per phase on the ``kvloop.engine`` logger (INFO): converting a
+    GGUF file (once), loading, and the KV cache it sized.
     """
 
     def __init__(
         self, model: str = "default", *, trace_out: str | None = None, **engine_args: Any
     ) -> None:
+        from kvloop.engine.model_source import resolve_model
+
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
+        folder = resolve_model(self.args.model)
+        self.default_sampling: dict[str, Any] = default_sampling_fields(
+            self.args.generation_config, folder, model=self.args.model)
+        """``SamplingParams`` fields from the generation config (empty: neutral defaults)."""
+        start = time.perf_counter()
+        logger.info("loading %s from %s", self.args.model, folder)
         self._trace_file = open(trace_out, "w") if trace_out else None  # noqa: SIM115
         recorder = (
             StepRecorder(keep_in_memory=False, sink=self._trace_file) if self._trace_file else None
         )
-        self.engine = LLMEngine.from_args(self.args, recorder=recorder)
+        self.engine = LLMEngine.from_args(replace(self.args, model=str(folder)),
+                                          recorder=recorder)
+        loaded, kv = _describe(self.engine)
+        logger.info("loaded in %.1f s: %s", time.perf_counter() - start, loaded)
+        logger.info("%s", kv)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters used when none are given (vLLM's method of that name): the
+        model's generation config over ``SamplingParams()``' neutral defaults. Change a copy
+        of it to keep the model's settings and set a few of your own."""
+        return SamplingParams(**self.default_sampling)
 
     def close(self) -> None:
         """Flush and close the step trace, if one is being written."""
@@ -43,6 +73,7 @@ class LLM:
             self._trace_file = None
 
     def get_tokenizer(self) -> Any:
+        """The engine's ``Tokenizer`` (None with ``skip_tokenizer_init``)."""
         return self.engine.tokenizer
 
     def generate(
@@ -52,6 +83,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        on_output: OutputHook | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come in input order.
 
@@ -59,15 +91,19 @@ class LLM:
         ``{"prompt_token_ids": [...]}`` (vLLM's forms); give one or a list of them, mixed.
         Every prompt is validated before any is queued, so a bad one
         (``InvalidRequestError`` naming the field) leaves the engine as it was.
+        ``sampling_params`` None means ``get_default_sampling_params()``. ``on_output`` is
+        called with (prompt index, output) as each step's outputs come: deltas
+        (``new_text``, ``new_token_ids``, ``new_logprobs``), then the final one, to stream.
         """
         batch = _as_batch(prompts)
-        params = _as_params(sampling_params, len(batch))
+        params = self._as_params(sampling_params, len(batch))
         prios = list(priority) if priority is not None else [0] * len(batch)
         if len(prios) != len(batch):
             raise InvalidRequestError("priority", "priority must have one entry per prompt")
         validate = self.engine.validate
         return self._run([validate(p, sp, priority=pr)
-                          for p, sp, pr in zip(batch, params, prios, strict=True)], use_tqdm)
+                          for p, sp, pr in zip(batch, params, prios, strict=True)], use_tqdm,
+                         on_output)
 
     def chat(
         self,
@@ -75,8 +111,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        on_output: OutputHook | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (the model's chat template)."""
+        """Generate replies to one conversation or a list of them (the model's chat template);
+        ``sampling_params`` and ``on_output`` as in ``generate``."""
         if not messages:
             raise InvalidRequestError("messages", "messages must not be empty")
         tok = self.engine.tokenizer
@@ -84,12 +122,26 @@ class LLM:
             raise InvalidRequestError("messages", "chat needs a tokenizer: this engine has none "
                                       "(skip_tokenizer_init); give token-id prompts to generate")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        params = _as_params(sampling_params, len(convs))
+        params = self._as_params(sampling_params, len(convs))
         validate = self.engine.validate
         return self._run([validate(tok.apply_chat_template(list(c)), sp)
-                          for c, sp in zip(convs, params, strict=True)], use_tqdm)
+                          for c, sp in zip(convs, params, strict=True)], use_tqdm, on_output)
 
-    def _run(self, requests: list[ValidatedRequest], use_tqdm: bool) -> list[RequestOutput]:
+    def _as_params(
+        self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sp is None:
+            return [self.get_default_sampling_params() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        items = list(sp)
+        if len(items) != n:
+            raise InvalidRequestError(
+                "sampling_params", f"sampling_params has {len(items)} entries for {n} prompts")
+        return items
+
+    def _run(self, requests: list[ValidatedRequest], use_tqdm: bool,
+             on_output: OutputHook | None = None) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
         try:
@@ -102,6 +154,8 @@ class LLM:
             with tqdm(total=len(requests), disable=not use_tqdm, unit="req") as bar:
                 while any(r is None for r in results):
                     for out in engine.step():
+                        if on_output is not None and out.request_id in order:
+                            on_output(order[out.request_id], out)
                         if not out.finished or out.request_id not in order:
                             continue
                         group = samples.get(out.request_id)
@@ -132,15 +186,20 @@ def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]
     return items
 
 
-def _as_params(
-    sp: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if sp is None:
-        return [SamplingParams() for _ in range(n)]
-    if isinstance(sp, SamplingParams):
-        return [sp] * n
-    items = list(sp)
-    if len(items) != n:
-        raise InvalidRequestError("sampling_params",
-                                  f"sampling_params has {len(items)} entries for {n} prompts")
-    return items
+def _describe(engine: LLMEngine) -> tuple[str, str]:
+    """Two status lines: what was loaded (model, dtype, device) and the KV cache it sized
+    (blocks, tokens, memory, the step's token budget)."""
+    runner = engine.executor
+    cfg = getattr(runner, "model_config", None)
+    dtype = str(getattr(runner, "dtype", "")).replace("torch.", "")
+    loaded = (f"{getattr(cfg, 'architecture', 'model')} {dtype} on "
+              f"{getattr(runner, 'device', '?')}")
+    cache = engine.scheduler.cache_config
+    kv = (f"KV cache: {cache.num_gpu_blocks} blocks x {cache.block_size} tokens = "
+          f"{cache.num_gpu_blocks * cache.block_size} tokens")
+    nbytes = getattr(getattr(getattr(runner, "kv_cache", None), "gpu", None), "nbytes", None)
+    if isinstance(nbytes, int):
+        kv += f" ({nbytes / 2**30:.2f} GiB)"
+    if note := getattr(engine, "token_budget_note", None):
+        kv += f"; {note}"
+    return loaded, kv

