@@ -56,6 +56,7 @@ class LLM:
         )
         self.engine = LLMEngine.from_args(replace(self.args, model=str(folder)),
                                           recorder=recorder)
+        self.engine.default_sampling = self.default_sampling  # NOTE: knows model="default"
         loaded, kv = _describe(self.engine)
         logger.info("loaded in %.1f s: %s", time.perf_counter() - start, loaded)
         logger.info("%s", kv)

@@ -94,6 +94,9 @@ class LLMEngine:
         """Requests with ``n > 1`` sequences -> n, while any of them is unfinished."""
         self._ids = itertools.count()
         self._logged_failure = False
+        self.default_sampling: dict[str, Any] = {}
+        """``SamplingParams`` fields a request's unset ones default to (the model's generation
+        config, ``EngineArgs.generation_config``; empty: vLLM's neutral defaults)."""
         self.token_budget_note = f"{scheduler.config.max_num_batched_tokens} tokens per step"
         """The step's token budget and why it is what it is (for start-up lines)."""
 
@@ -144,6 +147,10 @@ class LLMEngine:
         )
         engine.token_budget_note = (
             f"{scheduler.config.max_num_batched_tokens} tokens per step ({why})")
+        from kvloop.engine.generation_config import default_sampling_fields
+
+        engine.default_sampling = default_sampling_fields(args.generation_config, path,
+                                                          model=args.model)
         return engine
 
     # -- requests --------------------------------------------------------------------

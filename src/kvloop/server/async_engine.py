@@ -93,6 +93,9 @@ class AsyncEngine:
         """The engine's tokenizer, for encoding on the event loop (None: token ids only)."""
         self.clock = engine.clock
         """The engine's clock (arrival times are on it)."""
+        self.default_sampling: dict[str, Any] = dict(engine.default_sampling)
+        """Sampling fields a request leaves unset default to (the model's generation
+        config; empty: vLLM's neutral defaults)."""
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         """A ``ServerMetrics`` (or None): told about every step and every output."""

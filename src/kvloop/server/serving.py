@@ -185,21 +185,24 @@ class OpenAIServing:
     def _params(self, req: CompletionRequest | ChatCompletionRequest, enc: EncodedPrompt,
                 max_tokens: int | None, mt_name: str, num_top: int | None) -> SamplingParams:
         """The body's sampling fields (``InvalidRequestError`` naming a bad one)."""
+        d = self.engine.default_sampling
         if max_tokens is None:
             max_tokens = default_max_tokens(enc, self.limits)  # NOTE: vLLM's default
+            if "max_tokens" in d:  # ... capped by the generation config's max_new_tokens
+                max_tokens = min(max_tokens, d["max_tokens"])
         elif max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"{mt_name} must be at least 1, got "
                                       f"{max_tokens}")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_p=_or(req.top_p, 1.0),
-            top_k=_or(req.top_k, 0),
-            min_p=_or(req.min_p, 0.0),
+            temperature=_or(req.temperature, d.get("temperature", 1.0)),
+            top_p=_or(req.top_p, d.get("top_p", 1.0)),
+            top_k=_or(req.top_k, d.get("top_k", 0)),
+            min_p=_or(req.min_p, d.get("min_p", 0.0)),
             seed=req.seed,
             presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
             stop_token_ids=list(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
