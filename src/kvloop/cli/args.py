@@ -6,6 +6,9 @@ engine and the simulator alike."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 from kvloop.engine.args import EngineArgs
@@ -26,6 +29,57 @@ _SCHEDULER_FLAGS = (
     "gpu_memory_utilization",
     "swap_space",
 )
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+SIZE_HELP = "bytes, or with a unit: 512MiB, 1GiB, 2GB (K/M/G/T alone: KiB/MiB/GiB/TiB)"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``text``: a number of bytes (``1073741824``) or a number with a unit, binary
+    (``KiB MiB GiB TiB``, or ``K M G T`` alone) or decimal (``KB MB GB TB``), in any case:
+    ``512MiB``, ``1.5GiB``, ``2GB``. Raises ``argparse.ArgumentTypeError`` (a ``ValueError``
+    argparse reports as ``argument --flag: <message>``) for anything else."""
+    m = _SIZE.fullmatch(text)
+    unit = _SIZE_UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: give {SIZE_HELP.replace('bytes', 'a number of bytes', 1)}")
+    return int(float(m.group(1)) * unit)
+
+
+def positive_size(text: str) -> int:
+    """``parse_size`` for flags that need at least one byte (``--kv-cache-memory``)."""
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    return size
+
+
+def size_gib(text: str) -> float:
+    """GiB (a float) for ``--swap-space``: a bare number is GiB as before (``4``, ``0.5``); a
+    number with a unit is converted (``512MiB`` -> 0.5)."""
+    m = _SIZE.fullmatch(text)
+    if m is not None and not m.group(2):
+        return float(m.group(1))
+    return parse_size(text) / (1 << 30)
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``48.0 MiB``, ``1.50 GiB``."""
+    if n < 1 << 10:
+        return f"{n} B"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
@@ -77,7 +131,9 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     )
     g.add_argument("--gpu-memory-utilization", type=float, default=dv["gpu_memory_utilization"])
     g.add_argument(
-        "--swap-space", type=float, default=dv["swap_space"], help="host swap space per GPU in GiB"
+        "--swap-space", type=size_gib, default=dv["swap_space"], metavar="GIB",
+        help="host swap space per GPU: GiB, or a size with a unit such as 512MiB "
+        "(default: %(default)s)",
     )
 
 
@@ -91,7 +147,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache on CPU")
+    g.add_argument("--kv-cache-memory", type=positive_size, default=None, metavar="SIZE",
+                   help=f"KV cache size on CPU (on CUDA too when given): {SIZE_HELP} "
+                   "(default: 2 GiB, at most a fifth of RAM)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts and outputs are token ids")
@@ -113,3 +171,53 @@ def scheduler_args_from(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the ``add_scheduler_args`` flags alone (the simulator's ``--model``
     and ``--seed`` name a model preset and a workload seed, not an engine's)."""
     return EngineArgs(**{n: getattr(args, n) for n in _SCHEDULER_FLAGS})
+
+
+def local_model_config(model: str) -> tuple[dict[str, Any], Path] | None:
+    """(config.json, its path) of ``--model`` when that is already on disk, read without
+    loading, converting or importing torch: a local folder, or the cached conversion of
+    ``default`` or of a ``.gguf`` file once it exists. None when it cannot be read cheaply
+    (the engine then reports whatever is wrong with the model)."""
+    try:
+        if model == "default" or model.lower().endswith(".gguf"):
+            from kvloop.engine.model_source import converted_path, default_gguf_path
+
+            gguf = default_gguf_path() if model == "default" else Path(model).expanduser()
+            if not gguf.is_file():
+                return None
+            folder = converted_path(gguf)
+        else:
+            folder = Path(model).expanduser()
+        path = folder / "config.json"
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return (config, path) if isinstance(config, dict) else None
+
+
+def check_max_tokens_early(args: argparse.Namespace) -> None:
+    """Refuse ``--max-tokens`` (and ``--max-model-len``) beyond the model's length before the
+    model loads, when its ``config.json`` is at hand (``local_model_config``): a prompt needs
+    at least one token, so ``max_tokens`` must be below ``max_model_len`` (the flag, else the
+    model's ``max_position_embeddings``). Raises ``ValueError``; silent when the limit is not
+    known yet (the engine checks each request exactly, sliding windows included)."""
+    max_tokens = getattr(args, "max_tokens", None)
+    max_model_len = getattr(args, "max_model_len", None)
+    if max_tokens is None and max_model_len is None:
+        return
+    found = local_model_config(str(getattr(args, "model", "default")))
+    if found is None:
+        return
+    config, path = found
+    model_len = config.get("max_position_embeddings")
+    limit = int(model_len) if isinstance(model_len, int) and model_len > 0 else None
+    origin = f"the model's max_position_embeddings in {path}"
+    if max_model_len is not None:
+        if limit is not None and max_model_len > limit:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit}, in {path})")
+        limit, origin = max_model_len, "--max-model-len"
+    if max_tokens is not None and limit is not None and max_tokens >= limit:
+        raise ValueError(
+            f"--max-tokens {max_tokens} leaves no room for a prompt: a prompt and its output "
+            f"fit in {limit} tokens ({origin}); use --max-tokens {limit - 1} or less")

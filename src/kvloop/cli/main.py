@@ -2,14 +2,20 @@
 ``COMMANDS``.
 
 Bad input (an unknown preset, a malformed trace, an impossible config) prints one line,
-``kvloop: error: ...``, and exits with code 2; never a traceback.
+``kvloop: error: ...``, and exits with code 2; never a traceback. A flag argparse does not
+know prints the usage of the (sub)command it was given to, then one error line (with the
+closest flags it does know), and exits 2. Flags are never abbreviated: ``--rate`` is an
+error, not ``--rate-scale``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from kvloop.cli.bench import register as register_bench
 from kvloop.cli.generate import register as register_generate
@@ -28,11 +34,68 @@ COMMANDS: list[Register] = [
     register_trace,
 ]
 
+_PARSER_DEST = "_kvloop_parser"
+"""Namespace attribute naming the innermost (sub)parser that parsed the command line."""
+
+
+class KvloopParser(argparse.ArgumentParser):
+    """``ArgumentParser`` without prefix matching, whose unknown-flag error comes from the
+    innermost subcommand's parser (its usage, not the top-level one).
+
+    Subparsers are made of the parser's own class (``add_subparsers`` defaults
+    ``parser_class`` to it), so every ``kvloop`` subcommand, nested ones too, gets both."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        # NOTE: a subparser's defaults overwrite its parent's in the namespace, so this ends
+        # up naming the innermost parser that ran.
+        self.set_defaults(**{_PARSER_DEST: self})
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        parser = vars(ns).pop(_PARSER_DEST, self)
+        if extras:
+            parser.unknown(extras)
+        return ns
+
+    def unknown(self, extras: list[str]) -> NoReturn:
+        """Exit 2 on unrecognized arguments, naming the closest known flags."""
+        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        hints: list[str] = []
+        for arg in extras:
+            flag = arg.split("=", 1)[0]
+            if not flag.startswith("--") or len(flag) < 4:
+                continue
+            word = flag[2:]
+            near = [k for k in known if k.startswith(flag)]  # what abbreviation would pick
+            near += [k for k in known if word in k]
+            if not near:  # a typo, then
+                near = difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
+            for k in near:
+                if k not in hints:
+                    hints.append(k)
+        hint = f" (did you mean {' or '.join(hints[:3])}?)" if hints else ""
+        self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own when not installed)."""
+    try:
+        return importlib.metadata.version("kvloop")
+    except importlib.metadata.PackageNotFoundError:
+        import kvloop
+
+        return kvloop.__version__
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = KvloopParser(
         prog="kvloop", description="An LLM serving engine built around an inspectable loop."
     )
+    parser.add_argument("--version", action="version", version=f"kvloop {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in COMMANDS:
         register(sub)

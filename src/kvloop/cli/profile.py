@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvloop.cli.args import SIZE_HELP, positive_size
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -25,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV cache on CPU (default: the engine's default budget)")
+    p.add_argument("--kv-cache-memory", type=positive_size, default=None, metavar="SIZE",
+                   help=f"KV cache size: {SIZE_HELP} (default: the engine's default budget)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="largest step measured (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64,

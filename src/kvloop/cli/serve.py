@@ -1,13 +1,20 @@
 """``kvloop serve``: the OpenAI-compatible server on uvicorn, with a graceful drain
-(``server/draining.py``) on SIGTERM/SIGINT."""
+(``server/draining.py``) on SIGTERM/SIGINT.
+
+Before the model loads, the address is checked (``check_address``: a taken port is a one-line
+error, not a failure after a minute of loading); once it has loaded, one line on stderr says
+what is served and how (``startup_line``)."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
-from typing import IO
+import socket
+import sys
+from typing import IO, Any
 
-from kvloop.cli.args import add_model_args, engine_args_from
+from kvloop.cli.args import add_model_args, engine_args_from, format_size
 from kvloop.server import DEFAULT_MAX_REQUEST_BYTES
 
 RESPONSE_FLUSH_S = 5
@@ -57,6 +64,59 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
 
 
+def check_address(host: str, port: int) -> int:
+    """Bind ``host:port`` for a moment (every address ``host`` resolves to, with the options
+    uvicorn's listener uses) and return the port to serve on: ``port``, or a free one for 0.
+
+    Raises ``ValueError`` with one line when the host does not resolve or the port is taken
+    or not allowed."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot serve on --host {host!r}: {exc.strerror}") from None
+    chosen = port
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            # NOTE: as asyncio's create_server: a port in TIME_WAIT is free, a listening one
+            # is not; IPv6 sockets do not claim the IPv4 port too.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((addr[0], chosen, *addr[2:]))
+            except OSError as exc:
+                where = f"{_url_host(host)}:{chosen}"
+                if exc.errno == errno.EADDRINUSE:
+                    raise ValueError(f"cannot serve on {where}: the port is in use (another "
+                                     "server?); choose another --port") from None
+                raise ValueError(f"cannot serve on {where}: {exc.strerror}") from None
+            chosen = chosen or sock.getsockname()[1]
+    return chosen
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def startup_line(engine: Any, model: str, url: str) -> str:
+    """The one line ``kvloop serve`` prints once the model is loaded: the model, device and
+    dtype, the KV blocks and their memory, the token budget and why, the context length and
+    the URL."""
+    runner = engine.executor
+    cache = engine.scheduler.cache_config
+    blocks, size = cache.num_gpu_blocks, cache.block_size
+    device = getattr(runner, "device", None)
+    dtype = str(getattr(runner, "dtype", "")).removeprefix("torch.")
+    where = f" on {device} ({dtype})" if device is not None else ""
+    pool = getattr(getattr(runner, "kv_cache", None), "gpu", None)
+    memory = f", {format_size(pool.nbytes)}" if pool is not None else ""
+    swap = f" + {cache.num_cpu_blocks} swap blocks" if cache.num_cpu_blocks else ""
+    return (f"kvloop serve: model {model}{where}; KV cache {blocks} blocks x {size} tokens = "
+            f"{blocks * size} tokens{memory}{swap}; token budget {engine.token_budget_note}; "
+            f"max_model_len {engine.limits.max_model_len}; {url}")
+
+
 def run(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
@@ -69,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.server.metrics import ServerMetrics
 
     _check(args)
+    port = check_address(args.host, args.port)
     # NOTE: process-wide, so only here: no ``*_created`` series next to the counters.
     prometheus_client.disable_created_metrics()
     logging.basicConfig(level=logging.INFO,
@@ -81,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             recorder = StepRecorder(keep_in_memory=False, sink=trace)
         engine = LLMEngine.from_args(engine_args_from(args), recorder=recorder)
         name = args.served_model_name or args.model
+        model = args.model if name == args.model else f"{args.model} (served as {name})"
         metrics = ServerMetrics(name)
         async_engine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests,
                                    metrics=metrics)
@@ -89,11 +151,13 @@ def run(args: argparse.Namespace) -> int:
                               args.log_interval, max_request_bytes=args.max_request_bytes)
         app = create_app(async_engine, metrics, config)
         server = DrainingServer(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+            uvicorn.Config(app, host=args.host, port=port, log_level="info",
                            access_log=not args.disable_uvicorn_access_log,
                            timeout_graceful_shutdown=RESPONSE_FLUSH_S),
             async_engine, args.shutdown_timeout,
         )
+        url = f"http://{_url_host(args.host)}:{port}"
+        print(startup_line(engine, model, url), file=sys.stderr, flush=True)
         server.run()
     finally:
         if trace is not None:

@@ -1,0 +1,39 @@
+"""``kvloop serve``'s one startup line (issue 12 items 4 and 8): model, device, dtype, KV
+blocks and their memory, the token budget and why, the URL; printed before serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serverkit import LiveServer, serve_subprocess
+
+from kvloop.cli.args import format_size
+from kvloop.cli.serve import startup_line
+
+
+def test_startup_line_names_what_is_served(server: LiveServer) -> None:
+    line = startup_line(server.engine, "tiny (served as tiny-llama)", "http://127.0.0.1:9")
+    memory = format_size(server.engine.executor.kv_cache.gpu.nbytes)
+    assert line == (
+        "kvloop serve: model tiny (served as tiny-llama) on cpu (float32); KV cache 128 blocks "
+        f"x 16 tokens = 2048 tokens, {memory}; token budget 512 tokens per step (as given); "
+        "max_model_len 256; http://127.0.0.1:9")
+    assert "\n" not in line
+
+
+def test_serve_prints_one_startup_line_before_serving(tiny_model: Path) -> None:
+    with serve_subprocess(tiny_model, "--swap-space", "1MiB") as live:
+        live.terminate()
+        output, _ = live.proc.communicate(timeout=30)
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("kvloop serve: ")]
+    assert len(starts) == 1, output
+    line = lines[starts[0]]
+    port = live.url.rsplit(":", 1)[1]
+    assert f"model {tiny_model} (served as tiny-llama) on cpu (float32)" in line
+    assert "KV cache 128 blocks x 16 tokens = 2048 tokens, " in line
+    assert " + 128 swap blocks;" in line  # 1 MiB of 8 KiB blocks
+    assert "token budget 512 tokens per step (as given)" in line
+    assert line.endswith(f"; http://127.0.0.1:{port}")
+    running = next(i for i, text in enumerate(lines) if "Uvicorn running on" in text)
+    assert starts[0] < running
