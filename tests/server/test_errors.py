@@ -51,6 +51,8 @@ BAD = [
      "at least 1"),
     (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
     (CHAT, {"messages": HI, "n": -3}, 400, "n", "at least 1"),
+    (CHAT, {"messages": HI, "max_tokens": 0, "max_completion_tokens": 1}, 400, "max_tokens",
+     "at least 1"),
     (CHAT, {"messages": [{"content": "x"}]}, 400, "messages", "required"),
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (CHAT, {"messages": HI, "model": "nope"}, 404, "model", "does not exist"),

@@ -149,6 +149,9 @@ class OpenAIServing:
         except Exception as exc:  # no template, or the template rejected the conversation
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
         mt, mt_name = req.max_tokens, "max_tokens"
+        if req.max_tokens is not None and req.max_tokens < 1:  # NOTE: checked even if both
+            raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}",
+                              "max_tokens")
         if req.max_completion_tokens is not None:
             mt, mt_name = req.max_completion_tokens, "max_completion_tokens"
         return self._job(req, ids, mt, mt_name, num_top, True, arrival)
