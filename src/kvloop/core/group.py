@@ -14,8 +14,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvloop.core.request import Request, RequestStatus
+from kvloop.core.step import StepBuilder
+
 if TYPE_CHECKING:
-    from kvloop.core.request import Request
+    from kvloop.config import SchedulerConfig
+    from kvloop.core.kv_cache_manager import KVCacheManager
+
+_RUNNING = RequestStatus.RUNNING
 
 
 class SequenceGroup:
@@ -36,8 +42,6 @@ class SequenceGroup:
     def sibling(self, index: int) -> Request:
         """Sample ``index`` (1 .. n-1) as a new request: same prompt, priority and salt;
         with a seed, seed + index (so seeded groups are reproducible and differ)."""
-        from kvloop.core.request import Request
-
         leader = self.leader
         params = leader.sampling_params
         if params.seed is not None:
@@ -58,3 +62,82 @@ class SequenceGroup:
         child.first_scheduled_time = leader.first_scheduled_time
         child.block_hashes = list(leader.block_hashes)
         return child
+
+
+class GroupForking:
+    """Forking groups for ``Scheduler`` (a mixin: the state is the scheduler's)."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    requests: dict[str, Request]
+    running: list[Request]
+    _unforked: dict[str, int]
+
+    if TYPE_CHECKING:  # NOTE: provided by Preemption and Scheduler
+
+        def _preempt(self, victim: Request, b: StepBuilder) -> None: ...
+
+        def _victim(self, b: StepBuilder) -> Request: ...
+
+        def _admit(self, req: Request, n: int, num_hit: int, block_ids: list[int],
+                   b: StepBuilder) -> None: ...
+
+    def _schedule_fork(self, leader: Request, b: StepBuilder) -> None:
+        """Fork a group whose leader computed all but its last prompt token: every sequence
+        computes that token this step (one per sequence), or the group waits."""
+        group = leader.group
+        assert group is not None
+        if b.budget < group.n or len(self.running) + group.n - 1 > self.config.max_num_seqs:
+            return
+        acquired: list[int] = []
+        while leader.status is _RUNNING:
+            ids = self.kv.allocate_slots(leader, 1)
+            if ids is not None:
+                acquired += ids  # NOTE: kept across retries: the executor must learn them
+                if self._fork(leader, b):
+                    b.charge(leader, 1, 1, acquired)
+                    return
+            self._preempt(self._victim(b), b)
+
+    def _fork(self, leader: Request, b: StepBuilder) -> bool:
+        """Add the leader's siblings (its slot for the last prompt token is allocated):
+        prompt blocks shared, the partial one copied, one token each charged. False, with
+        nothing changed, when the pool cannot take them yet."""
+        group = leader.group
+        assert group is not None
+        children = [group.sibling(i) for i in range(1, group.n)]
+        copies = self.kv.fork(leader, children)
+        if copies is None:
+            return False
+        computed = leader.num_computed_tokens
+        for child in children:
+            rid = child.request_id
+            child.num_computed_tokens = computed
+            child.status = _RUNNING
+            self.requests[rid] = child
+            self.running.append(child)
+            ids = self.kv.allocate_slots(child, 1)
+            assert ids is not None, "fork() checked the room"
+            b.charge(child, 1, 1, self.kv.block_ids(rid))  # NOTE: its whole table: it is new
+            b.forked[rid] = computed
+            b.pinned.add(rid)
+        b.pinned.add(leader.request_id)
+        b.copies.extend(copies)
+        group.members.extend(children)
+        group.forked = True
+        self._unforked.pop(leader.request_id, None)
+        return True
+
+    def _admit_and_fork(self, leader: Request, b: StepBuilder) -> bool:
+        """Admit a group whose prompt is one token, forked at once (all or nothing)."""
+        group = leader.group
+        assert group is not None
+        if b.budget < group.n or self.kv.num_free_blocks < group.n:
+            return False
+        leader.num_computed_tokens = 0
+        new_ids = self.kv.allocate_slots(leader, 1)
+        assert new_ids is not None
+        self._admit(leader, 1, 0, new_ids, b)
+        forked = self._fork(leader, b)
+        assert forked, "the room for every sequence was checked"
+        return True

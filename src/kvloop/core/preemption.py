@@ -1,0 +1,197 @@
+"""Taking requests off the device, and undoing a step that will not run.
+
+Part of ``Scheduler`` (a mixin: the state is the scheduler's). A victim is the least
+urgent, latest-arrived running request that may go (``_pick_victim``); it leaves by swap or
+recompute (``_preempt``), with its whole group if it has one; a request admitted earlier in
+the same step is given back instead (``_unadmit``). A failed step is undone the same way
+(``abandon_step``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvloop.core.interface import SchedulerOutput
+from kvloop.core.request import Request, RequestStatus
+from kvloop.core.step import StepBuilder
+
+if TYPE_CHECKING:
+    from kvloop.config import SchedulerConfig
+    from kvloop.core.kv_cache_manager import KVCacheManager
+    from kvloop.core.policy import Policy, WaitingQueue
+    from kvloop.core.stats import SchedulerStats
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Preemption:
+    """Preemption and step rollback for ``Scheduler``."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    policy: Policy
+    stats: SchedulerStats
+    requests: dict[str, Request]
+    running: list[Request]
+    swapped: list[Request]
+    waiting: WaitingQueue
+    step_index: int
+    _step: StepBuilder | None
+    _prefilling: set[str]
+    _unforked: dict[str, int]
+    _finished_ids: list[str]
+
+    if TYPE_CHECKING:  # NOTE: provided by Scheduler
+
+        def _finish(self, request: Request, status: RequestStatus) -> None: ...
+
+    def _victim(self, b: StepBuilder) -> Request:
+        victim = self._pick_victim(b, worse_than=None)
+        assert victim is not None, "the request that needs room is never pinned"
+        return victim
+
+    def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None:
+        """The least urgent, latest-arrived running request that may be preempted now.
+
+        NOTE: requests swapped in during this step are never victims; with ``worse_than``
+        only requests strictly less urgent than it qualify (so priority preemption cannot
+        cycle), and requests admitted in this step are spared.
+        """
+        key = self.policy.key
+        if worse_than is None:
+            candidates = [r for r in self.running if r.request_id not in b.pinned]
+        else:
+            bar = key(worse_than)
+            candidates = [
+                r
+                for r in self.running
+                if r.request_id not in b.pinned
+                and r.request_id not in b.admitted
+                and r.priority > worse_than.priority
+                and key(r) > bar
+            ]
+        return max(candidates, key=key) if candidates else None
+
+    def _preempt(self, victim: Request, b: StepBuilder) -> None:
+        """Take ``victim`` (already chosen) off the device, with its whole group if it has
+        one; undo their share of this step."""
+        group = victim.group
+        if group is not None and group.forked:
+            for member in [m for m in group.members if m.status is _RUNNING]:
+                self._preempt_one(member, b)
+        else:
+            self._preempt_one(victim, b)
+
+    def _preempt_one(self, victim: Request, b: StepBuilder) -> None:
+        rid = victim.request_id
+        if rid in b.admitted:
+            self._unadmit(victim, b)
+            return
+        self.running.remove(victim)
+        self._prefilling.discard(rid)
+        self._unforked.pop(rid, None)
+        b.uncharge(rid)
+        # NOTE: a step never both swaps in and swaps out, so host blocks released by a
+        # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
+        swap = (
+            self.config.preemption_mode == "swap"
+            and not b.swap_in
+            and victim.num_computed_tokens > 0
+            and (victim.group is None or victim.group.forked)  # NOTE: leaders recompute
+            and self.kv.can_swap_out(victim)
+        )
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if swap:
+            pairs = self.kv.swap_out(victim)
+            b.swap_out.extend(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.stats.num_swap_preemptions += 1
+            self.stats.num_blocks_swapped_out += len(pairs)
+            b.preempted.append((rid, "swap"))
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.add(victim)
+            self.stats.num_recompute_preemptions += 1
+            b.preempted.append((rid, "recompute"))
+        b.preempted_ids.add(rid)
+
+    def _unadmit(self, req: Request, b: StepBuilder) -> None:
+        """Undo an admission made earlier in this step (prefill-first, when the running
+        pass needs its blocks): the request waits again as if it had never been popped,
+        with no preemption counted and no prefix lookup or recompute charged."""
+        rid = req.request_id
+        num_hit = b.admitted[rid]
+        self.running.remove(req)
+        self._prefilling.discard(rid)
+        self._unforked.pop(rid, None)
+        b.uncharge(rid)
+        self.kv.free(req)
+        st = self.stats
+        if req.num_preemptions == 0:
+            st.prefix_cache_queries -= req.num_tokens
+            st.prefix_cache_hits -= num_hit
+            b.prefix_queries -= req.num_tokens
+            b.prefix_hits -= num_hit
+            req.first_scheduled_time = None  # NOTE: a first admission set it in this step
+            req.status = RequestStatus.WAITING
+        else:
+            st.recompute_prefix_hits -= num_hit
+            recomputed = max(0, req.num_tokens - 1 - num_hit)
+            req.num_recomputed_tokens -= recomputed
+            st.num_recomputed_tokens -= recomputed
+            req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.add_front([req])
+
+    def abandon_step(self, scheduler_output: SchedulerOutput, error: str) -> list[Request]:
+        """The executor failed this step: finish its requests with ``error``, restore the
+        ones it swapped out, and go on. Returns the failed requests.
+
+        NOTE: every request whose KV the step may have touched ends failed or exactly
+        restored, never silently wrong: the scheduled ones (chunks, decodes, swap-ins) fail;
+        the ones swapped out in this step may have host blocks that were never written (the
+        step can die before its copies), so they are preempted by recompute instead, from
+        their tokens. Their device blocks keep only hashes of KV computed in earlier,
+        successful steps, and blocks reused in this step lost their hashes when handed out.
+        """
+        b = self._step
+        if b is None:
+            raise RuntimeError("abandon_step() without a scheduled step")
+        self._step = None
+        return self._abandon(b, error)
+
+    @property
+    def step_pending(self) -> bool:
+        """A step was scheduled and its results are not applied yet."""
+        return self._step is not None
+
+    def _abandon(self, b: StepBuilder, error: str) -> list[Request]:
+        failed = []
+        # NOTE: swapped-in requests too, even if a failed schedule() did not charge them yet.
+        for rid in dict.fromkeys([*b.scheduled, *b.pinned]):
+            req = self.requests.get(rid)
+            if req is not None and req.status is _RUNNING:
+                req.error = error
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                failed.append(req)
+        for rid, mode in b.preempted:
+            req = self.requests.get(rid)
+            if mode == "swap" and req is not None and req.status is RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+                released = self.kv.drop_swapped(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
+                self.waiting.add(req)
+                # NOTE: the executor kept its state for the swap-in that will not come.
+                self._finished_ids.append(rid)
+                st = self.stats
+                st.num_swap_preemptions -= 1
+                st.num_recompute_preemptions += 1
+                st.num_blocks_swapped_out -= released
+        self.step_index += 1
+        return failed
