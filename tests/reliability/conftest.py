@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,7 +16,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from reliakit import assert_no_leaks
-from serverkit import LiveServer, build_tiny_model, start_server
+from serverkit import LiveServer, build_tiny_model, server_factory, start_server
 
 
 @pytest.fixture(scope="session")
@@ -37,17 +36,5 @@ def server(tiny_model: Path) -> Iterator[LiveServer]:
 @pytest.fixture
 def new_server(tiny_model: Path) -> Iterator[Callable[..., LiveServer]]:
     """A factory of extra in-process servers, leak-checked and stopped after the test."""
-    started: list[LiveServer] = []
-
-    def make(**kwargs: Any) -> LiveServer:
-        live = start_server(tiny_model, **kwargs)
-        started.append(live)
-        return live
-
-    yield make
-    try:
-        for live in started:
-            assert_no_leaks(live)
-    finally:
-        for live in started:
-            live.stop()
+    with server_factory(tiny_model, check=assert_no_leaks) as make:
+        yield make

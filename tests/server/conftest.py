@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -12,7 +11,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from serverkit import LiveServer, build_tiny_model, start_server
+from serverkit import LiveServer, build_tiny_model, server_factory, start_server
 
 
 @pytest.fixture(scope="session")
@@ -30,15 +29,7 @@ def server(tiny_model: Path) -> Iterator[LiveServer]:
 @pytest.fixture
 def new_server(tiny_model: Path) -> Iterator[Callable[..., LiveServer]]:
     """A factory of extra in-process servers, stopped after the test."""
-    started: list[LiveServer] = []
-
-    def make(**kwargs: Any) -> LiveServer:
-        live = start_server(tiny_model, **kwargs)
-        started.append(live)
-        return live
-
-    yield make
-    for live in started:
-        live.stop()
+    with server_factory(tiny_model) as make:
+        yield make
 
 

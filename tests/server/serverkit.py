@@ -184,6 +184,28 @@ def start_server(model_path: Path, *, api_key: str | None = None,
 
 
 @contextlib.contextmanager
+def server_factory(model_path: Path, check: Callable[[LiveServer], None] | None = None
+                   ) -> Iterator[Callable[..., LiveServer]]:
+    """Start extra in-process servers of ``model_path`` on demand; on leaving, ``check``
+    each one (if given), then stop them all."""
+    started: list[LiveServer] = []
+
+    def make(**kwargs: Any) -> LiveServer:
+        live = start_server(model_path, **kwargs)
+        started.append(live)
+        return live
+
+    try:
+        yield make
+        for live in started:
+            if check is not None:
+                check(live)
+    finally:
+        for live in started:
+            live.stop()
+
+
+@contextlib.contextmanager
 def patched_execute(engine: LLMEngine, wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
     """Wrap the engine's ``executor.execute`` for the duration of a block."""
     original = engine.executor.execute
