@@ -12,7 +12,6 @@ from tqdm import tqdm
 
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
-from kvloop.engine.generation_config import default_sampling_fields
 from kvloop.engine.intake import PromptInput, ValidatedRequest
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
@@ -45,18 +44,15 @@ class LLM:
 
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
         folder = resolve_model(self.args.model)
-        self.default_sampling: dict[str, Any] = default_sampling_fields(
-            self.args.generation_config, folder, model=self.args.model)
-        """``SamplingParams`` fields from the generation config (empty: neutral defaults)."""
         start = time.perf_counter()
         logger.info("loading %s from %s", self.args.model, folder)
         self._trace_file = open(trace_out, "w") if trace_out else None  # noqa: SIM115
         recorder = (
             StepRecorder(keep_in_memory=False, sink=self._trace_file) if self._trace_file else None
         )
-        self.engine = LLMEngine.from_args(replace(self.args, model=str(folder)),
-                                          recorder=recorder)
-        self.engine.default_sampling = self.default_sampling  # NOTE: knows model="default"
+        self.engine = LLMEngine.from_args(self.args, recorder=recorder, folder=folder)
+        self.default_sampling: dict[str, Any] = self.engine.default_sampling
+        """``SamplingParams`` fields from the generation config (empty: neutral defaults)."""
         loaded, kv = _describe(self.engine)
         logger.info("loaded in %.1f s: %s", time.perf_counter() - start, loaded)
         logger.info("%s", kv)

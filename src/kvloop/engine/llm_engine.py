@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvloop.core.interface import Executor
@@ -102,14 +103,20 @@ class LLMEngine:
 
     # -- construction ----------------------------------------------------------------
     @classmethod
-    def from_args(cls, args: EngineArgs, *, recorder: StepRecorder | None = None) -> LLMEngine:
-        """A real engine: resolve the model, load tokenizer (unless ``skip_tokenizer_init``)
-        and weights, size the KV cache."""
+    def from_args(cls, args: EngineArgs, *, recorder: StepRecorder | None = None,
+                  folder: Path | None = None) -> LLMEngine:
+        """A real engine: resolve the model (unless ``folder`` is its resolved folder), read
+        its sampling defaults, load tokenizer (unless ``skip_tokenizer_init``) and weights,
+        size the KV cache."""
+        from kvloop.engine.generation_config import default_sampling_fields
         from kvloop.engine.model_source import resolve_model
         from kvloop.engine.tokenizer import Tokenizer
         from kvloop.executor.torch import TorchModelRunner
 
-        path = resolve_model(args.model)
+        path = folder if folder is not None else resolve_model(args.model)
+        # NOTE: before the weights load, so that a bad generation config fails fast.
+        default_sampling = default_sampling_fields(args.generation_config, path,
+                                                   model=args.model)
         tokenizer = None if args.skip_tokenizer_init else Tokenizer(path)
         runner = TorchModelRunner(
             str(path),
@@ -147,10 +154,7 @@ class LLMEngine:
         )
         engine.token_budget_note = (
             f"{scheduler.config.max_num_batched_tokens} tokens per step ({why})")
-        from kvloop.engine.generation_config import default_sampling_fields
-
-        engine.default_sampling = default_sampling_fields(args.generation_config, path,
-                                                          model=args.model)
+        engine.default_sampling = default_sampling
         return engine
 
     # -- requests --------------------------------------------------------------------
