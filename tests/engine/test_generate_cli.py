@@ -133,3 +133,13 @@ def test_one_prompt_streams_its_tokens(monkeypatch, capsys, model_dir):
     pieces = [w for w in out.writes if w.strip()]
     assert len(pieces) == 4  # one write per step, as generated
     assert len(out.getvalue().split()) == 4 and out.getvalue().endswith("\n")
+
+
+def test_max_tokens_over_the_model_length_fails_before_loading(tmp_path, capsys):
+    import json
+
+    from kvloop.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32}))
+    rc = main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "40"])
+    assert rc == 2 and "max" in capsys.readouterr().err  # no weights: it never loaded
