@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap"]
-SchedulingPolicy = Literal["fcfs", "priority"]
+SchedulingPolicy = Literal["fcfs", "priority", "slo", "fair"]
+SloOverload = Literal["defer", "reject"]
 SchedulingOrder = Literal["decode-first", "prefill-first"]
 
 
@@ -33,8 +34,35 @@ class SchedulerConfig:
     finish its prefill within the step is held back while this many are in flight, but a
     prompt that does fit is still admitted, so one long prompt never blocks short ones."""
     policy: SchedulingPolicy = "fcfs"
-    """Waiting-queue order: ``fcfs`` (arrival) or ``priority`` (lower value first, then
-    arrival). Under ``priority`` a waiting request may preempt less urgent running ones."""
+    """Waiting-queue order (``kvloop.core.policy``): ``fcfs`` (arrival); ``priority``
+    (lower value first, aged by ``aging_s``; a waiting request may preempt less urgent
+    running ones); ``slo`` (earliest TTFT deadline first, prefill capped so running
+    decodes keep their TPOT, late requests deferred or rejected); ``fair`` (per-tenant
+    fair share, the Virtual Token Counter)."""
+    slo_ttft: float | None = None
+    """Default TTFT target in seconds (requests may carry their own). Required by ``slo``."""
+    slo_tpot: float | None = None
+    """Default TPOT target in seconds (requests may carry their own; None: no TPOT cap)."""
+    slo_overload: SloOverload = "defer"
+    """Under ``slo``, a waiting request that can no longer meet its TTFT target is
+    ``defer``-red behind every request that still can, or ``reject``-ed at once (finish
+    reason ``rejected``; HTTP 429 in the server)."""
+    aging_s: float = 60.0
+    """Starvation bound. Under ``priority`` a request gains one priority level per
+    ``aging_s`` seconds of waiting; under ``slo`` a deferred request is served ahead of
+    on-time ones once it is ``aging_s`` past its deadline. 0 turns aging off (``priority``
+    only: a strict priority order, as in vLLM)."""
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    """Under ``fair``: ``(tenant, weight)`` pairs; a tenant's share of service is
+    proportional to its weight (default 1)."""
+    cost_aware_preemption: bool = True
+    """Choose preemption victims by the work they would throw away per block freed (within
+    the least urgent class), wait a step instead when a finishing request frees enough
+    blocks, skip requests preempted ``max_preemptions`` times, and throw away at most one
+    step's token budget per step. False: the newest, least urgent request goes (vLLM)."""
+    max_preemptions: int = 3
+    """Under cost-aware preemption, a request preempted this many times is not chosen as
+    a victim again while another candidate exists."""
     preemption_mode: PreemptionMode = "recompute"
     """How a victim gives up its KV blocks: ``recompute`` (free them, prefill again later)
     or ``swap`` (copy them to the host tier; falls back to recompute when it is full)."""
@@ -49,7 +77,24 @@ class SchedulerConfig:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        _choice("policy", self.policy, ("fcfs", "priority"))
+        _choice("policy", self.policy, ("fcfs", "priority", "slo", "fair"))
+        _choice("slo_overload", self.slo_overload, ("defer", "reject"))
+        _positive("max_preemptions", self.max_preemptions)
+        for name in ("slo_ttft", "slo_tpot"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1e9):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.policy == "slo" and self.slo_ttft is None:
+            raise ValueError("policy 'slo' needs a default TTFT target: set slo_ttft")
+        if not (isinstance(self.aging_s, (int, float)) and 0 <= self.aging_s < 1e9):
+            raise ValueError(f"aging_s must be a number of seconds >= 0, got {self.aging_s!r}")
+        if self.policy == "slo" and self.aging_s <= 0:
+            raise ValueError("policy 'slo' needs aging_s > 0 (the starvation bound)")
+        for item in self.tenant_weights:
+            if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], (int, float)) or not 0 < item[1] < 1e9):
+                raise ValueError(
+                    f"tenant_weights must be (tenant, positive weight) pairs, got {item!r}")
         _choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         _choice("scheduling_order", self.scheduling_order, ("decode-first", "prefill-first"))
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

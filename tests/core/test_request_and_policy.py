@@ -142,6 +142,7 @@ def test_block_hashes_are_sha256_of_the_parent_and_the_token_bytes():
         (RequestStatus.FINISHED_LENGTH, FinishReason.LENGTH),
         (RequestStatus.FINISHED_ABORTED, FinishReason.ABORT),
         (RequestStatus.FINISHED_ERROR, FinishReason.ERROR),
+        (RequestStatus.FINISHED_REJECTED, FinishReason.REJECTED),
     ],
 )
 def test_finish_reason_mapping(status, reason):
@@ -163,7 +164,7 @@ def test_unfinished_statuses_have_no_finish_reason(status):
 
 
 def test_finish_reasons_use_openai_names():
-    assert [str(f) for f in FinishReason] == ["stop", "length", "abort", "error"]
+    assert [str(f) for f in FinishReason] == ["stop", "length", "abort", "error", "rejected"]
     assert FinishReason.STOP == "stop"
 
 

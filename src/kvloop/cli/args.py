@@ -28,6 +28,13 @@ _SCHEDULER_FLAGS = (
     "num_gpu_blocks",
     "gpu_memory_utilization",
     "swap_space",
+    "slo_ttft",
+    "slo_tpot",
+    "slo_overload",
+    "aging_s",
+    "tenant_weights",
+    "cost_aware_preemption",
+    "max_preemptions",
 )
 
 
@@ -82,6 +89,22 @@ def format_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def parse_tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """``"gold=4,free=1"`` -> ``(("gold", 4.0), ("free", 1.0))``."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, weight = item.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not name or not 0 < value < 1e9:
+            raise argparse.ArgumentTypeError(
+                f"expected TENANT=WEIGHT,... with positive weights, got {item!r}")
+        pairs.append((name, value))
+    return tuple(pairs)
+
+
 def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     """Scheduler and KV-cache knobs; ``defaults`` override ``EngineArgs``' defaults."""
     d = EngineArgs()
@@ -107,8 +130,34 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     )
     g.add_argument("--max-num-partial-prefills", type=int, default=dv["max_num_partial_prefills"])
     g.add_argument(
-        "--scheduling-policy", choices=["fcfs", "priority"], default=dv["scheduling_policy"]
+        "--scheduling-policy", choices=["fcfs", "priority", "slo", "fair"],
+        default=dv["scheduling_policy"],
+        help="waiting-queue order: fcfs; priority (aged by --aging); slo (earliest TTFT "
+        "deadline, prefill capped to keep --slo-tpot); fair (per-tenant fair share) "
+        "(default: %(default)s)",
     )
+    g.add_argument("--slo-ttft", type=float, default=dv["slo_ttft"], metavar="SECONDS",
+                   help="default TTFT target: what 'slo' schedules for and goodput counts "
+                   "(requests may carry their own)")
+    g.add_argument("--slo-tpot", type=float, default=dv["slo_tpot"], metavar="SECONDS",
+                   help="default TPOT target (requests may carry their own)")
+    g.add_argument("--slo-overload", choices=["defer", "reject"], default=dv["slo_overload"],
+                   help="under slo, what happens to a request that can no longer meet its "
+                   "TTFT (default: %(default)s)")
+    g.add_argument("--aging", dest="aging_s", type=float, default=dv["aging_s"],
+                   metavar="SECONDS", help="starvation bound: seconds of waiting worth one "
+                   "priority level; under slo, how late a deferred request may get before it "
+                   "comes first (default: %(default)s)")
+    g.add_argument("--tenant-weights", type=parse_tenant_weights, default=dv["tenant_weights"],
+                   metavar="T=W,...", help="under fair: service share weights, e.g. "
+                   "gold=4,free=1 (default weight 1)")
+    g.add_argument("--cost-aware-preemption", action=argparse.BooleanOptionalAction,
+                   default=dv["cost_aware_preemption"],
+                   help="pick victims by the work they throw away; --no-cost-aware-preemption: "
+                   "the newest least urgent request (vLLM) (default: %(default)s)")
+    g.add_argument("--max-preemptions", type=int, default=dv["max_preemptions"],
+                   help="a request preempted this many times is spared while another victim "
+                   "exists (default: %(default)s)")
     g.add_argument(
         "--scheduling-order",
         choices=["decode-first", "prefill-first"],

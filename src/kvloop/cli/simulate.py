@@ -71,8 +71,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0)
     add_scheduler_args(p, max_num_batched_tokens=8192)
     o = p.add_argument_group("output")
-    o.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
-    o.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
     o.add_argument("--json", default=None, metavar="PATH", help="write the metrics as JSON")
     o.add_argument("--trace-out", default=None, metavar="PATH",
                    help="write one step record per line (JSONL)")

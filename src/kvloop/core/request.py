@@ -24,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    FINISHED_REJECTED = 8  # refused by the policy (an SLO it can no longer meet)
 
     @property
     def finished(self) -> bool:
@@ -37,6 +38,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    REJECTED = "rejected"
 
 
 _REASONS = {
@@ -44,6 +46,7 @@ _REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
 }
 
 
@@ -69,14 +72,18 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "num_recomputed_tokens",
+        "num_served_tokens",
         "output_token_ids",
         "priority",
         "prompt_token_ids",
         "request_id",
         "sample_index",
         "sampling_params",
+        "slo_tpot",
+        "slo_ttft",
         "status",
         "stop_ids",
+        "tenant",
         "token_times",
     )
 
@@ -90,6 +97,9 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        tenant: str = "",
+        slo_ttft: float | None = None,
+        slo_tpot: float | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -97,6 +107,13 @@ class Request:
             raise ValueError("prompt_token_ids must not be empty")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {tenant!r}")
+        for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -106,6 +123,12 @@ class Request:
         """Tie-breaker among equal arrival times, set by the scheduler on admission."""
         self.priority = priority
         self.cache_salt = cache_salt
+        self.tenant = tenant
+        """Who sent it (the OpenAI ``user``); the ``fair`` policy shares service by it."""
+        self.slo_ttft = slo_ttft
+        """TTFT target in seconds (None: the scheduler's default ``slo_ttft``)."""
+        self.slo_tpot = slo_tpot
+        """TPOT target in seconds (None: the scheduler's default ``slo_tpot``)."""
         self.eos_token_ids = eos_token_ids
         self.stop_ids: frozenset[int] = frozenset()
         """Token ids that stop this request (EOS unless ignored, plus stop_token_ids); the
@@ -121,6 +144,9 @@ class Request:
         self.finished_time: float | None = None
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.num_served_tokens = 0
+        """Prompt tokens computed at least once (recompute excluded) plus outputs: the
+        service the ``fair`` policy charges to the tenant (kept by that policy only)."""
         self.error: str | None = None
         self.group: SequenceGroup | None = None
         """Set when ``sampling_params.n > 1``: the sequences sampled from this prompt."""

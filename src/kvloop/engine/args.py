@@ -49,7 +49,22 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     """``recompute`` or ``swap``."""
     scheduling_policy: str = "fcfs"
-    """``fcfs`` or ``priority``."""
+    """``fcfs``, ``priority``, ``slo`` or ``fair`` (see ``SchedulerConfig.policy``)."""
+    slo_ttft: float | None = None
+    """Default TTFT target in seconds (``slo`` needs it; goodput counts it)."""
+    slo_tpot: float | None = None
+    """Default TPOT target in seconds (``slo`` caps prefill to keep it; goodput counts it)."""
+    slo_overload: str = "defer"
+    """Under ``slo``: ``defer`` or ``reject`` requests that can no longer meet their TTFT."""
+    aging_s: float = 60.0
+    """Seconds of waiting worth one priority level (``priority``) or past the deadline
+    before a deferred request comes first (``slo``): the starvation bound."""
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    """Under ``fair``: ``(tenant, weight)`` pairs (default weight 1)."""
+    cost_aware_preemption: bool = True
+    """Pick victims by the work they throw away (see ``SchedulerConfig``); False: newest."""
+    max_preemptions: int = 3
+    """A request preempted this many times is spared while another victim exists."""
     scheduling_order: str = "decode-first"
     """``decode-first`` or ``prefill-first``."""
     skip_tokenizer_init: bool = False
@@ -90,6 +105,13 @@ class EngineArgs:
             policy=self.scheduling_policy,  # type: ignore[arg-type]
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
             scheduling_order=self.scheduling_order,  # type: ignore[arg-type]
+            slo_ttft=self.slo_ttft,
+            slo_tpot=self.slo_tpot,
+            slo_overload=self.slo_overload,  # type: ignore[arg-type]
+            aging_s=self.aging_s,
+            tenant_weights=tuple(self.tenant_weights),
+            cost_aware_preemption=self.cost_aware_preemption,
+            max_preemptions=self.max_preemptions,
         )
 
     def cache_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheConfig:
