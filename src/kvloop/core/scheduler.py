@@ -66,6 +66,8 @@ class Scheduler(Preemption, GroupForking):
         self._num_added = 0
         self._arrived: list[tuple[str, float, int]] = []
         """Arrivals since the last step record (kept only when recording)."""
+        self._arrived_info: dict[str, dict[str, object]] = {}
+        """Tenant, priority and SLO targets of those arrivals that have any."""
         self._finished_log: list[tuple[str, str]] = []
         """Finishes not yet written to a step record (kept only when recording)."""
         self._step: StepBuilder | None = None
@@ -93,6 +95,12 @@ class Scheduler(Preemption, GroupForking):
             self._arrived.append(
                 (request.request_id, request.arrival_time, request.num_prompt_tokens)
             )
+            info = {name: value for name, value in (
+                ("tenant", request.tenant), ("priority", request.priority),
+                ("slo_ttft", request.slo_ttft or self.config.slo_ttft),
+                ("slo_tpot", request.slo_tpot or self.config.slo_tpot)) if value}
+            if info:
+                self._arrived_info[request.request_id] = info
         error = self._never_fits(request)
         if error is not None:
             request.error = error
@@ -508,11 +516,12 @@ class Scheduler(Preemption, GroupForking):
         if self.recorder is not None:
             sampled = [r.request_id for r in touched if r.status != RequestStatus.FINISHED_ERROR]
             arrived, self._arrived = self._arrived, []
+            info, self._arrived_info = self._arrived_info, {}
             b.finished, self._finished_log = self._finished_log, []
             counts = (kv.num_used_blocks, kv.num_gpu_blocks, len(self.running),
                       len(self.waiting), len(self.swapped))
             self.recorder.add(build_step_record(
-                b, scheduler_output, runner_output, now, arrived, sampled, counts))
+                b, scheduler_output, runner_output, now, arrived, sampled, counts, info))
         self.step_index += 1
         return touched
 

@@ -53,6 +53,9 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_swapped: int
+    arrived_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """For arrivals in ``arrived`` that have any: their tenant, priority and SLO targets
+    (``slo_ttft``/``slo_tpot`` in seconds, the scheduler's defaults applied)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

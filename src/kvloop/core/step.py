@@ -7,6 +7,8 @@ preempted request's share is a few dict pops.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
 from kvloop.core.request import Request
 from kvloop.core.stats import ScheduledEntry, StepRecord
@@ -101,6 +103,7 @@ def build_step_record(
     arrived: list[tuple[str, float, int]],
     sampled: list[str],
     counts: tuple[int, int, int, int, int],
+    arrived_info: dict[str, dict[str, Any]] | None = None,
 ) -> StepRecord:
     """Describe a finished step. Called after progress was applied; ``counts`` is (KV blocks
     used, KV blocks in all, running, waiting, swapped) after the step."""
@@ -135,4 +138,5 @@ def build_step_record(
         num_running=running,
         num_waiting=waiting,
         num_swapped=swapped,
+        arrived_info=arrived_info or {},
     )
