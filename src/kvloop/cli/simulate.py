@@ -30,7 +30,13 @@ from kvloop.sim.driver import simulate
 from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.sim.traces import SHIPPED_TRACES, load_trace
-from kvloop.sim.workloads import apply_priority_mix, parse_priority_mix, synthetic_workload
+from kvloop.sim.workloads import (
+    apply_priority_mix,
+    apply_tenant_mix,
+    parse_priority_mix,
+    parse_tenant_mix,
+    synthetic_workload,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--output-len", default="trace:sharegpt",
                    help="synthetic output lengths: N, A:B or trace:NAME")
     w.add_argument("--priority-mix", default=None, help="e.g. 0:0.2,1:0.8")
+    w.add_argument("--tenant-mix", default=None, metavar="SHARE,...",
+                   help="give each request a tenant t0, t1, ... with these shares, e.g. "
+                   "0.6,0.05,0.05 (seeded by --seed); the summary gains per-tenant rows and "
+                   "Jain's fairness index")
     w.add_argument("--seed", type=int, default=0)
     add_scheduler_args(p, max_num_batched_tokens=8192)
     o = p.add_argument_group("output")
@@ -110,6 +120,8 @@ def build_workload(args: argparse.Namespace):
         )
     if args.priority_mix:
         apply_priority_mix(workload, parse_priority_mix(args.priority_mix), seed=args.seed)
+    if args.tenant_mix:
+        apply_tenant_mix(workload, parse_tenant_mix(args.tenant_mix), seed=args.seed)
     return workload
 
 
@@ -199,7 +211,6 @@ def run(args: argparse.Namespace) -> int:
         result = simulate(
             workload, sched, cache, cost, recorder=recorder,
             progress=not args.no_progress and sys.stderr.isatty(),
-            slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
         )
     finally:
         if sink is not None:

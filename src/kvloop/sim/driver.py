@@ -106,6 +106,7 @@ def to_request(w: WorkloadRequest) -> Request:
         SamplingParams(max_tokens=w.output_len, ignore_eos=True),
         arrival_time=w.arrival_time,
         priority=w.priority,
+        tenant=w.tenant,
     )
 
 
@@ -120,7 +121,17 @@ def simulate(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
 ) -> SimulationResult:
-    """Run ``workload`` through the scheduler and the simulated executor to completion."""
+    """Run ``workload`` through the scheduler and the simulated executor to completion.
+
+    Goodput counts requests that met ``slo_ttft``/``slo_tpot``; when not given they are the
+    scheduler's (``scheduler_config.slo_ttft``/``slo_tpot``), the targets the ``slo`` policy
+    schedules for, so the policy and the metric judge by the same SLOs. Per-tenant service
+    is weighted by ``scheduler_config.tenant_weights``.
+    """
+    if slo_ttft is None:
+        slo_ttft = scheduler_config.slo_ttft
+    if slo_tpot is None:
+        slo_tpot = scheduler_config.slo_tpot
     started = time.perf_counter()
     clock = VirtualClock()
     scheduler = Scheduler(scheduler_config, cache_config, clock=clock, recorder=recorder)
@@ -150,7 +161,8 @@ def simulate(
                 raise RuntimeError("simulation stalled with work left and no arrivals")
             clock.now = max(clock.now, requests[i].arrival_time)
     bar.close()
-    metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+    metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                                 tenant_weights=dict(scheduler_config.tenant_weights))
     metrics["scheduler"] = scheduler_summary(scheduler)
     metrics["load"] = load_summary(requests, executor.busy_s, metrics["duration"])
     wall = time.perf_counter() - started

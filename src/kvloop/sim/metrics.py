@@ -6,7 +6,14 @@
 - e2e: arrival to last token. Queue time: arrival to first scheduled.
 - Throughput: output (and, separately, total) tokens per second from the first arrival to
   the last completion. Goodput: completed requests per second that met every given SLO.
-- Percentiles are nearest-rank; aborted and failed requests are excluded and counted apart.
+- Percentiles are nearest-rank; aborted, failed and rejected requests (finish reason
+  ``rejected``: refused by the ``slo`` policy under overload; they have no first token) are
+  excluded and counted apart, so a rejected request never counts as good.
+- Per tenant (requests that name one): requests, service, goodput, TTFT and share. A
+  tenant's *service* is the prompt + output tokens it was served while requests were still
+  arriving (first to last arrival; the whole run when all arrive at once): a prompt counts
+  when its first token comes, each output token when it comes; recomputation is not
+  service. Jain's fairness index over tenants is (Σx)² / (n·Σx²) with x = service / weight.
 
 Times are seconds in the summary; :func:`format_table` shows latencies in ms.
 """
@@ -20,7 +27,16 @@ from typing import Any
 
 from kvloop.sim.load import load_rows
 
-__all__ = ["LATENCY_METRICS", "PERCENTILES", "format_table", "percentile", "summarize_requests"]
+__all__ = [
+    "LATENCY_METRICS",
+    "PERCENTILES",
+    "format_table",
+    "jain_index",
+    "percentile",
+    "request_service",
+    "summarize_requests",
+    "tenant_service_over_time",
+]
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e", "queue")
 """Latency groups in a summary, each a dict of mean, p50, p90, p99 (seconds) and count."""
@@ -30,6 +46,7 @@ PERCENTILES = (50, 90, 99)
 _COMPLETED = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH"})
 _ABORTED = "FINISHED_ABORTED"
 _FAILED = "FINISHED_ERROR"
+_REJECTED = "FINISHED_REJECTED"
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -57,6 +74,16 @@ def _stats(values: list[float]) -> dict[str, float | int | None]:
     return out
 
 
+def jain_index(values: Iterable[float]) -> float | None:
+    """Jain's fairness index (Σx)² / (n·Σx²): 1 when all ``values`` are equal, 1/n when one
+    has everything. None when there are no values or all are 0."""
+    xs = list(values)
+    square_sum = sum(x * x for x in xs)
+    if not xs or square_sum <= 0:
+        return None
+    return sum(xs) ** 2 / (len(xs) * square_sum)
+
+
 def _status_name(req: Any) -> str:
     status = req.status
     return str(getattr(status, "name", status))
@@ -67,10 +94,11 @@ def summarize_requests(
     *,
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
+    tenant_weights: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Summarise finished requests (duck-typed like ``kvloop.core.request.Request``).
 
-    Returns a JSON-ready dict: counts ``completed``, ``aborted``, ``failed`` (and
+    Returns a JSON-ready dict: counts ``completed``, ``aborted``, ``failed``, ``rejected`` (and
     ``unfinished``, requests not yet finished, which are ignored), ``duration`` (first arrival
     of any request to last completion), ``input_tokens``, ``output_tokens``,
     ``request_throughput``, ``output_throughput``, ``total_token_throughput`` and ``goodput``
@@ -78,10 +106,19 @@ def summarize_requests(
     completed requests, ``slo_ttft``/``slo_tpot`` as given, and one dict per name in
     ``LATENCY_METRICS`` with ``count``, ``mean``, ``p50``, ``p90``, ``p99`` (None when empty).
     Goodput counts completed requests whose TTFT <= ``slo_ttft`` and TPOT <= ``slo_tpot``
-    (SLOs given as None are ignored; a one-token request meets any TPOT SLO); with no SLO it
-    equals the request throughput.
+    (SLOs given as None are ignored; a one-token request meets any TPOT SLO); a request's
+    own ``slo_ttft``/``slo_tpot`` (when it has one) overrides the default given here. With no
+    SLO goodput equals the request throughput.
+
+    When some request names a ``tenant``, ``tenants`` maps each tenant to ``requests``,
+    ``completed``, ``rejected``, ``service_tokens`` (see the module docstring), ``share``
+    (of all tenants' service), ``goodput``, ``ttft_mean`` and ``ttft_p99``, and
+    ``jain_index`` is Jain's index over service / weight (``tenant_weights``, default 1);
+    otherwise ``tenants`` is empty and ``jain_index`` None.
     """
-    counts = {"completed": 0, "aborted": 0, "failed": 0, "unfinished": 0}
+    requests = list(requests)
+    counts = {"completed": 0, "aborted": 0, "failed": 0, "rejected": 0, "unfinished": 0}
+    tenants = _tenant_rows(requests, slo_ttft, slo_tpot)
     ttft: list[float] = []
     tpot: list[float] = []
     itl: list[float] = []
@@ -95,8 +132,7 @@ def summarize_requests(
         first_arrival = min(first_arrival, req.arrival_time)
         name = _status_name(req)
         if name not in _COMPLETED:
-            key = "aborted" if name == _ABORTED else "failed" if name == _FAILED else "unfinished"
-            counts[key] += 1
+            counts[_NOT_COMPLETED.get(name, "unfinished")] += 1
             continue
         counts["completed"] += 1
         arrival = req.arrival_time
@@ -115,9 +151,7 @@ def summarize_requests(
             tpot.append(t_tpot)
         if len(times) > 1:
             itl.extend(map(sub, times[1:], times))  # map stops at the shorter
-        if (slo_ttft is None or t_ttft <= slo_ttft) and (
-            slo_tpot is None or t_tpot is None or t_tpot <= slo_tpot
-        ):
+        if _meets(req, t_ttft, t_tpot, slo_ttft, slo_tpot):
             good += 1
         done = req.finished_time if req.finished_time is not None else last
         last_done = max(last_done, done)
@@ -147,7 +181,124 @@ def summarize_requests(
     )
     for key, values in zip(LATENCY_METRICS, (ttft, tpot, itl, e2e, queue), strict=True):
         summary[key] = _stats(values)
+    weights = tenant_weights or {}
+    for row in tenants.values():
+        row["goodput"] = rate(row.pop("good"))
+    summary["tenants"] = tenants
+    summary["jain_index"] = jain_index(
+        row["service_tokens"] / weights.get(name, 1.0) for name, row in tenants.items()
+    ) if tenants else None
     return summary
+
+
+_NOT_COMPLETED = {_ABORTED: "aborted", _FAILED: "failed", _REJECTED: "rejected"}
+
+
+def _meets(
+    req: Any, ttft: float, tpot: float | None, slo_ttft: float | None, slo_tpot: float | None
+) -> bool:
+    """Whether a completed request met its TTFT and TPOT targets (its own, else the given)."""
+    own_ttft, own_tpot = getattr(req, "slo_ttft", None), getattr(req, "slo_tpot", None)
+    ttft_target = own_ttft if own_ttft is not None else slo_ttft
+    tpot_target = own_tpot if own_tpot is not None else slo_tpot
+    return (ttft_target is None or ttft <= ttft_target) and (
+        tpot_target is None or tpot is None or tpot <= tpot_target
+    )
+
+
+def _service_end(requests: Sequence[Any]) -> float:
+    """Until when service counts towards fairness: the last arrival, or (all arriving at
+    once) forever."""
+    arrivals = [req.arrival_time for req in requests]
+    if not arrivals or max(arrivals) <= min(arrivals):
+        return math.inf
+    return max(arrivals)
+
+
+def request_service(req: Any, until: float = math.inf) -> int:
+    """Tokens served to ``req`` up to time ``until``: its prompt once its first token came,
+    plus each output token that came (recomputation excluded)."""
+    first = req.first_token_time
+    if first is None or first > until:
+        return 0
+    times = req.token_times
+    if not times or times[-1] <= until:
+        return req.num_prompt_tokens + len(req.output_token_ids)
+    return req.num_prompt_tokens + sum(1 for t in times if t <= until)
+
+
+def _tenant_rows(
+    requests: Sequence[Any], slo_ttft: float | None, slo_tpot: float | None
+) -> dict[str, dict[str, Any]]:
+    """Per-tenant counts, service, TTFT and a good-request count (turned into goodput)."""
+    if not any(getattr(req, "tenant", "") for req in requests):
+        return {}
+    until = _service_end(requests)
+    rows: dict[str, dict[str, Any]] = {}
+    ttfts: dict[str, list[float]] = {}
+    for req in requests:
+        name = getattr(req, "tenant", "") or ""
+        row = rows.get(name)
+        if row is None:
+            row = rows[name] = {"requests": 0, "completed": 0, "rejected": 0,
+                                "service_tokens": 0, "good": 0}
+            ttfts[name] = []
+        row["requests"] += 1
+        status = _status_name(req)
+        row["rejected"] += status == _REJECTED
+        row["service_tokens"] += request_service(req, until)
+        if status not in _COMPLETED:
+            continue
+        row["completed"] += 1
+        times = req.token_times
+        first = req.first_token_time if req.first_token_time is not None else times[0]
+        t_ttft = first - req.arrival_time
+        ttfts[name].append(t_ttft)
+        n_out = len(req.output_token_ids)
+        last = times[-1] if times else req.finished_time
+        t_tpot = (last - first) / (n_out - 1) if n_out > 1 else None
+        row["good"] += _meets(req, t_ttft, t_tpot, slo_ttft, slo_tpot)
+    total = sum(row["service_tokens"] for row in rows.values())
+    for name, row in rows.items():
+        stats = _stats(ttfts[name])
+        row["share"] = row["service_tokens"] / total if total else None
+        row["ttft_mean"], row["ttft_p99"] = stats["mean"], stats["p99"]
+    return dict(sorted(rows.items(), key=lambda kv: _tenant_key(kv[0])))
+
+
+def _tenant_key(name: str) -> tuple[int, int, str]:
+    """Sort t2 before t10 (numeric suffix), then other names alphabetically."""
+    digits = name[1:] if name.startswith("t") else ""
+    return (0, int(digits), name) if digits.isdigit() else (1, 0, name)
+
+
+def tenant_service_over_time(
+    requests: Iterable[Any], bin_s: float
+) -> tuple[list[float], dict[str, list[int]]]:
+    """Tokens served per tenant in bins of ``bin_s`` seconds from the first arrival (as for
+    the fairness service: a prompt when its first token comes, each output token when it
+    comes). Returns (bin start times, tenant -> tokens per bin)."""
+    if not bin_s > 0:
+        raise ValueError(f"bin_s must be > 0, got {bin_s}")
+    requests = list(requests)
+    if not requests:
+        return [], {}
+    t0 = min(req.arrival_time for req in requests)
+    events: list[tuple[str, float, int]] = []
+    for req in requests:
+        if req.first_token_time is None:
+            continue
+        name = getattr(req, "tenant", "") or ""
+        events.append((name, req.first_token_time, req.num_prompt_tokens))
+        events.extend((name, t, 1) for t in req.token_times)
+    end = max((t for _, t, _ in events), default=t0)
+    n = int((end - t0) // bin_s) + 1
+    series: dict[str, list[int]] = {}
+    for name, t, tokens in events:
+        bins = series.setdefault(name, [0] * n)
+        bins[min(int((t - t0) // bin_s), n - 1)] += tokens
+    return [t0 + i * bin_s for i in range(n)], dict(
+        sorted(series.items(), key=lambda kv: _tenant_key(kv[0])))
 
 
 _TITLES = {
@@ -182,7 +333,8 @@ def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -
         lines.append(f"{label + ':':<40}{_fmt(value, digits):>10}")
 
     row("Successful requests", summary.get("completed"))
-    for key, label in (("aborted", "Aborted requests"), ("failed", "Failed requests")):
+    for key, label in (("aborted", "Aborted requests"), ("failed", "Failed requests"),
+                       ("rejected", "Rejected requests (SLO)")):
         if summary.get(key):
             row(label, summary[key])
     row("Duration (s)", summary.get("duration"))
@@ -202,6 +354,10 @@ def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -
             value = stats.get(stat)
             label = f"{'Mean' if stat == 'mean' else stat.upper()} {short} (ms)"
             row(label, None if value is None else value * 1000.0)
+    if summary.get("tenants"):
+        lines.append(f"{' Tenants ':-^{_WIDTH}}")
+        lines.extend(_tenant_lines(summary["tenants"]))
+        row("Jain's fairness index (service/weight)", summary.get("jain_index"), 4)
     if summary.get("load"):
         lines.append(f"{' Load ':-^{_WIDTH}}")
         for key, value in load_rows(summary["load"]).items():
@@ -212,6 +368,24 @@ def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -
             row(str(key), value, 4)
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def _tenant_lines(tenants: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per tenant: requests, service tokens and share, goodput, TTFT mean/p99."""
+    lines = [f"{'Tenant':<8}{'Reqs':>6}{'Tokens':>10}{'Share':>7}{'Good/s':>7}"
+             f"{'TTFT ms':>8}{'p99':>8}"]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    for name, row in tenants.items():
+        share = "-" if row["share"] is None else f"{100 * row['share']:.1f}%"
+        lines.append(
+            f"{(name or '(none)')[:8]:<8}{row['requests']:>6}{row['service_tokens']:>10}"
+            f"{share:>7}{_fmt(row['goodput']):>7}{ms(row['ttft_mean']):>8}"
+            f"{ms(row['ttft_p99']):>8}"
+        )
+    return lines
 
 
 def scheduler_rows(totals: dict[str, Any]) -> dict[str, Any]:

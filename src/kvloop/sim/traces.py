@@ -52,6 +52,8 @@ class WorkloadRequest:
     """The simulator finishes the request after this many output tokens (>= 1)."""
     priority: int = 0
     """Scheduling priority; lower is more urgent."""
+    tenant: str = ""
+    """Who sends it (the ``fair`` policy shares service by it; "" = no tenant)."""
 
 
 class BlockPrompt(Sequence[int]):

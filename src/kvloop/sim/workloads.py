@@ -1,8 +1,8 @@
 """Synthetic workloads: Poisson or gamma arrivals, and fixed, uniform or trace-drawn lengths.
 
-Everything is deterministic for a given seed: arrivals, lengths and priorities each draw from
-their own ``random.Random`` stream derived from the seed (never the global RNG), so changing
-the request rate keeps the same prompt and output lengths.
+Everything is deterministic for a given seed: arrivals, lengths, priorities and tenants each
+draw from their own ``random.Random`` stream derived from the seed (never the global RNG), so
+changing the request rate keeps the same prompt and output lengths.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ __all__ = [
     "LengthSpec",
     "WorkloadRequest",
     "apply_priority_mix",
+    "apply_tenant_mix",
     "parse_length_spec",
     "parse_priority_mix",
+    "parse_tenant_mix",
     "synthetic_workload",
 ]
 
@@ -202,3 +204,47 @@ def apply_priority_mix(
     prios, weights = list(mix), list(mix.values())
     for req, prio in zip(requests, rng.choices(prios, weights, k=len(requests)), strict=True):
         req.priority = prio
+
+
+def tenant_name(index: int) -> str:
+    """The name ``--tenant-mix`` gives its ``index``-th share: ``t0``, ``t1``, ..."""
+    return f"t{index}"
+
+
+def parse_tenant_mix(spec: str) -> list[float]:
+    """Parse ``"0.6,0.05,0.05"`` into ``[0.6, 0.05, 0.05]``: tenant ``t<i>``'s share.
+
+    Shares are relative weights (they need not sum to 1); each must be finite and >= 0 and
+    not all 0. Raises ValueError naming the bad spec and item.
+    """
+    shares: list[float] = []
+    for item in spec.split(","):
+        try:
+            share = float(item.strip())
+        except ValueError:
+            raise ValueError(
+                f"bad tenant mix {spec!r}: expected comma-separated shares such as "
+                f"'0.6,0.2,0.2', got {item.strip()!r}"
+            ) from None
+        if not (share >= 0 and math.isfinite(share)):
+            raise ValueError(f"bad tenant mix {spec!r}: shares must be finite and >= 0, "
+                             f"got {item.strip()!r}")
+        shares.append(share)
+    if sum(shares) <= 0:
+        raise ValueError(f"bad tenant mix {spec!r}: shares must not all be 0")
+    return shares
+
+
+def apply_tenant_mix(
+    requests: Sequence[WorkloadRequest], shares: Sequence[float], seed: int = 0
+) -> None:
+    """Set each request's tenant at random: ``t<i>`` (:func:`tenant_name`) with weight
+    ``shares[i]``. Deterministic for a given seed, from its own random stream (so it does not
+    change arrivals, lengths or priorities)."""
+    if not shares or any(not (w >= 0 and math.isfinite(w)) for w in shares) or sum(shares) <= 0:
+        raise ValueError(f"bad tenant mix {list(shares)!r}: shares must be finite, >= 0 and "
+                         "not all 0")
+    rng = random.Random(f"tenants-{seed}")
+    names = [tenant_name(i) for i in range(len(shares))]
+    for req, name in zip(requests, rng.choices(names, shares, k=len(requests)), strict=True):
+        req.tenant = name
