@@ -70,6 +70,9 @@ def req(
     arrival: float = 0.0,
     prompt: list[int] | None = None,
     salt: str | None = None,
+    tenant: str = "",
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
 ) -> Request:
     if prompt is None:
         # Seeded from the id by a stable hash, so prompts (and prefix hits) are the same in
@@ -83,6 +86,9 @@ def req(
         arrival_time=arrival,
         priority=priority,
         cache_salt=salt,
+        tenant=tenant,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
     )
 
 

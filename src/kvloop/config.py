@@ -34,7 +34,7 @@ class SchedulerConfig:
     finish its prefill within the step is held back while this many are in flight, but a
     prompt that does fit is still admitted, so one long prompt never blocks short ones."""
     policy: SchedulingPolicy = "fcfs"
-    """Waiting-queue order (``kvloop.core.policy``): ``fcfs`` (arrival); ``priority``
+    """Waiting-queue order (``kvloop.core.policies``): ``fcfs`` (arrival); ``priority``
     (lower value first, aged by ``aging_s``; a waiting request may preempt less urgent
     running ones); ``slo`` (earliest TTFT deadline first, prefill capped so running
     decodes keep their TPOT, late requests deferred or rejected); ``fair`` (per-tenant

@@ -89,7 +89,8 @@ def test_a_group_is_preempted_as_one_unit_and_still_finishes():
     for mode in ("recompute", "swap"):
         # early needs 5 blocks, the group up to 1 shared + 3 x 4: more than 14 together.
         s = make_scheduler(block_size=4, num_gpu_blocks=14, num_cpu_blocks=64,
-                           preemption_mode=mode, max_num_batched_tokens=64)
+                           preemption_mode=mode, max_num_batched_tokens=64,
+                           cost_aware_preemption=False)  # the newest (the group) goes
         s.add_request(req("early", 6, 12))
         s.add_request(_group("g", 6, 3, max_tokens=12))
         preempted_together = False

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from kvloop.config import CacheConfig, SchedulerConfig
-from kvloop.core import POLICIES, FinishReason, Request, RequestStatus, get_policy
-from kvloop.core.policy import FCFSQueue, PriorityQueue
+from kvloop.core import POLICIES, FinishReason, Request, RequestStatus, make_policy
+from kvloop.core.policies import FCFSQueue, KeyedQueue
 from kvloop.sampling_params import SamplingParams
 
 
@@ -168,6 +168,11 @@ def test_finish_reasons_use_openai_names():
     assert FinishReason.STOP == "stop"
 
 
+def _priority_queue() -> KeyedQueue:
+    """Strict priority order (no aging), as vLLM's."""
+    return KeyedQueue(_policy("priority", aging_s=0).key)
+
+
 # -- FCFS queue --------------------------------------------------------------------------------
 def test_fcfs_queue_arrival_order():
     q = FCFSQueue()
@@ -231,7 +236,7 @@ def _pr(rid, priority, arrival, order):
 
 
 def test_priority_queue_orders_by_priority_arrival_then_arrival_order():
-    q = PriorityQueue()
+    q = _priority_queue()
     reqs = [
         _pr("late_urgent", 0, 5.0, 4),
         _pr("low", 2, 0.0, 0),
@@ -250,14 +255,14 @@ def test_priority_queue_orders_by_priority_arrival_then_arrival_order():
 
 
 def test_priority_queue_ties_keep_insertion_order():
-    q = PriorityQueue()
+    q = _priority_queue()
     for name in "abc":
         q.add(_pr(name, 0, 0.0, 0))
     assert [q.pop().request_id for _ in range(3)] == ["a", "b", "c"]
 
 
 def test_priority_queue_lazy_remove():
-    q = PriorityQueue()
+    q = _priority_queue()
     a, b, c = _pr("a", 0, 0.0, 0), _pr("b", 1, 0.0, 1), _pr("c", 2, 0.0, 2)
     for r in (a, b, c):
         q.add(r)
@@ -273,7 +278,7 @@ def test_priority_queue_lazy_remove():
 
 
 def test_priority_queue_add_front_reinserts_in_key_order():
-    q = PriorityQueue()
+    q = _priority_queue()
     a, b = _pr("a", 0, 0.0, 0), _pr("b", 1, 0.0, 1)
     q.add(b)
     q.add_front([a])
@@ -281,7 +286,7 @@ def test_priority_queue_add_front_reinserts_in_key_order():
 
 
 def test_priority_queue_pop_on_empty_raises_without_side_effects():
-    q = PriorityQueue()
+    q = _priority_queue()
     a = _pr("a", 0, 0.0, 0)
     q.add(a)
     q.remove(a)  # only a stale heap entry is left
@@ -291,7 +296,7 @@ def test_priority_queue_pop_on_empty_raises_without_side_effects():
 
 
 def test_priority_queue_remove_then_add_again():
-    q = PriorityQueue()
+    q = _priority_queue()
     a, b = _pr("a", 0, 0.0, 0), _pr("b", 1, 0.0, 1)
     q.add(a)
     q.add(b)
@@ -304,23 +309,30 @@ def test_priority_queue_remove_then_add_again():
 
 
 # -- policy registry ---------------------------------------------------------------------------
-def test_get_policy_by_name():
-    assert set(POLICIES) == {"fcfs", "priority"}
-    assert isinstance(get_policy("fcfs").make_queue(), FCFSQueue)
-    assert isinstance(get_policy("priority").make_queue(), PriorityQueue)
-    assert get_policy("priority").name == "priority"
+def _policy(name: str, **kw):
+    if name == "slo":
+        kw.setdefault("slo_ttft", 1.0)
+    return make_policy(SchedulerConfig(policy=name, **kw), lambda: 0.0)
+
+
+def test_make_policy_by_name():
+    assert set(POLICIES) == {"fcfs", "priority", "slo", "fair"}
+    assert isinstance(_policy("fcfs").waiting, FCFSQueue)
+    assert isinstance(_policy("priority").waiting, KeyedQueue)
+    for name in POLICIES:
+        assert _policy(name).name == name
 
 
 @pytest.mark.parametrize("name", ["lifo", "", "FCFS"])
-def test_get_policy_unknown_name(name):
-    with pytest.raises(ValueError, match="policy must be one of fcfs, priority"):
-        get_policy(name)
+def test_unknown_policy_name(name):
+    with pytest.raises(ValueError, match="policy must be one of fcfs, priority, slo, fair"):
+        SchedulerConfig(policy=name)
 
 
 def test_policy_keys_order_urgency():
     early, late = _pr("early", 1, 0.0, 0), _pr("late", 0, 1.0, 1)
-    assert get_policy("fcfs").key(early) < get_policy("fcfs").key(late)
-    assert get_policy("priority").key(late) < get_policy("priority").key(early)
+    assert _policy("fcfs").key(early) < _policy("fcfs").key(late)
+    assert _policy("priority").key(late) < _policy("priority").key(early)
 
 
 # -- SamplingParams ----------------------------------------------------------------------------

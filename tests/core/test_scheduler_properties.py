@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import FakeExecutor, make_scheduler, req, step
+from helpers import FakeClock, FakeExecutor, make_scheduler, req, step
 from kvloop.core import RequestStatus
 
 _request = st.tuples(
@@ -18,6 +18,8 @@ _request = st.tuples(
     st.integers(0, 3),  # priority
     st.integers(0, 2),  # shared prefix family (0: none)
     st.one_of(st.none(), st.integers(0, 30)),  # abort at step
+    st.integers(0, 2),  # tenant
+    st.one_of(st.none(), st.sampled_from([0.02, 0.1, 0.5])),  # own TTFT target
 )
 
 
@@ -38,7 +40,14 @@ def _setup(draw):
         enable_chunked_prefill=chunked,
         max_num_partial_prefills=draw(st.integers(1, 3)),
         long_prefill_token_threshold=draw(st.sampled_from([0, 4, 12])),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy=(policy := draw(st.sampled_from(["fcfs", "priority", "slo", "fair"]))),
+        slo_ttft=draw(st.sampled_from([0.03, 0.2, 1.0])) if policy == "slo" else None,
+        slo_tpot=draw(st.sampled_from([None, 0.01, 0.05])),
+        slo_overload=draw(st.sampled_from(["defer", "reject"])),
+        aging_s=draw(st.sampled_from([0.0, 0.05, 1.0])) if policy != "slo" else 0.5,
+        tenant_weights=draw(st.sampled_from([(), (("t1", 3.0),)])),
+        cost_aware_preemption=draw(st.booleans()),
+        max_preemptions=draw(st.integers(1, 3)),
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         scheduling_order=draw(st.sampled_from(["decode-first", "prefill-first"])),
     )
@@ -57,7 +66,8 @@ def _refusal(setup: dict, num_tokens: int) -> str | None:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=_setup(), requests=st.lists(_request, min_size=1, max_size=12))
 def test_random_workloads_drain_without_leaks(setup, requests):
-    s = make_scheduler(**setup)
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, **setup)
     ex = FakeExecutor()
     pending = sorted(enumerate(requests), key=lambda x: x[1][0])
     made = []
@@ -68,9 +78,10 @@ def test_random_workloads_drain_without_leaks(setup, requests):
     n = 0
     while pending or s.has_unfinished_requests():
         while pending and pending[0][1][0] <= n:
-            i, (_, plen, mt, prio, fam, abort_at) = pending.pop(0)
+            i, (_, plen, mt, prio, fam, abort_at, tenant, ttft) = pending.pop(0)
             prompt = [fam * 1000 + j for j in range(plen)] if fam else None
-            r = req(f"r{i}", plen, mt, priority=prio, arrival=float(n), prompt=prompt)
+            r = req(f"r{i}", plen, mt, priority=prio, arrival=clock.now, prompt=prompt,
+                    tenant=f"t{tenant}", slo_ttft=ttft)
             s.add_request(r)
             made.append(r)
             refusal = refusals[r.request_id] = _refusal(setup, plen + mt)
@@ -87,11 +98,14 @@ def test_random_workloads_drain_without_leaks(setup, requests):
             s.check_invariants()
         if s.has_unfinished_requests():
             only_swapped = bool(s.swapped) and not s.running
-            out = step(s, ex)
+            out = step(s, ex, clock)
             # Progress, swapped requests included: a step with unfinished work schedules
-            # tokens unless it preempted (which frees room for the next step), so no two
-            # steps in a row are idle; and swapped work with nothing running swaps in at once.
-            idle = out.total_num_scheduled_tokens == 0
+            # tokens unless it preempted (which frees room for the next step) or rejected
+            # requests, so no two steps in a row are idle; and swapped work with nothing
+            # running swaps in at once.
+            rejected = any(r.status == RequestStatus.FINISHED_REJECTED for r in made
+                           if r.request_id in out.finished_request_ids)
+            idle = out.total_num_scheduled_tokens == 0 and not rejected
             if idle:
                 assert out.preempted_request_ids, f"step {n} had work but did nothing"
                 assert not idle_before, f"steps {n - 1} and {n} both scheduled nothing"
@@ -111,6 +125,9 @@ def test_random_workloads_drain_without_leaks(setup, requests):
             assert r.num_output_tokens == 0
         elif rid in aborted:
             assert r.status == RequestStatus.FINISHED_ABORTED, rid
+        elif r.status == RequestStatus.FINISHED_REJECTED:  # only by slo, only before it ran
+            assert setup["policy"] == "slo" and setup["slo_overload"] == "reject", rid
+            assert r.num_output_tokens == 0 and "TTFT" in r.error
         else:  # ignore_eos and the fake executor never samples a stop token
             assert r.status == RequestStatus.FINISHED_LENGTH, (rid, r.status, r.error)
             assert r.num_output_tokens == r.max_tokens and r.error is None

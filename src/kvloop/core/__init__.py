@@ -13,7 +13,7 @@ from kvloop.core.interface import (
 )
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.loop import StepResult, run_step
-from kvloop.core.policy import POLICIES, Policy, get_policy
+from kvloop.core.policies import POLICIES, Policy, make_policy
 from kvloop.core.request import FinishReason, Request, RequestStatus
 from kvloop.core.scheduler import Scheduler
 from kvloop.core.stats import ScheduledEntry, SchedulerStats, StepRecord, StepRecorder, read_jsonl
@@ -39,7 +39,7 @@ __all__ = [
     "StepRecord",
     "StepRecorder",
     "StepResult",
-    "get_policy",
+    "make_policy",
     "read_jsonl",
     "run_step",
 ]

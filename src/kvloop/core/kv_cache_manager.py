@@ -52,6 +52,16 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def num_freeable_blocks(self, request: Request) -> int:
+        """Device blocks that preempting ``request`` would free (those it alone holds)."""
+        return sum(1 for b in self.req_blocks.get(request.request_id, ()) if b.ref_cnt == 1)
+
+    def num_blocks_short(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks missing for ``num_new_tokens`` more slots of a running request."""
+        have = len(self.req_blocks.get(request.request_id, ()))
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
+        return max(0, need - self.pool.free_queue.num_free)
+
     def device_owners(self) -> set[str]:
         """Requests holding device blocks."""
         return set(self.req_blocks)

@@ -18,7 +18,7 @@ from kvloop.core.step import StepBuilder
 if TYPE_CHECKING:
     from kvloop.config import SchedulerConfig
     from kvloop.core.kv_cache_manager import KVCacheManager
-    from kvloop.core.policy import Policy, WaitingQueue
+    from kvloop.core.policies import Policy, WaitingQueue
     from kvloop.core.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
@@ -51,11 +51,14 @@ class Preemption:
         return victim
 
     def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None:
-        """The least urgent, latest-arrived running request that may be preempted now.
+        """The running request to preempt now, or None if none may go.
 
-        NOTE: requests swapped in during this step are never victims; with ``worse_than``
-        only requests strictly less urgent than it qualify (so priority preemption cannot
-        cycle), and requests admitted in this step are spared.
+        Candidates: running requests not swapped in or forked in this step; with
+        ``worse_than``, only those strictly less urgent than it, not admitted in this step
+        (so priority preemption cannot cycle). Without cost-aware preemption the least
+        urgent, latest arrived candidate goes. With it (``_cheapest``): requests preempted
+        ``max_preemptions`` times are spared while another candidate exists, and within the
+        least urgent tier the one that throws away the least work per block freed goes.
         """
         key = self.policy.key
         if worse_than is None:
@@ -70,7 +73,54 @@ class Preemption:
                 and r.priority > worse_than.priority
                 and key(r) > bar
             ]
-        return max(candidates, key=key) if candidates else None
+        if not candidates:
+            return None
+        if not self.config.cost_aware_preemption or len(candidates) == 1:
+            return max(candidates, key=key)
+        return self._cheapest(candidates)
+
+    def _cheapest(self, candidates: list[Request]) -> Request:
+        """Cost-aware victim: spare the often preempted, keep to the least urgent tier,
+        then take the fewest computed tokens per block it alone holds (ties: least urgent).
+
+        NOTE: a candidate that frees no block (all shared) is chosen only if every one is
+        such; the requester is always among the running-pass candidates, so some choice
+        frees room or preempts the requester itself.
+        """
+        limit = self.config.max_preemptions
+        pool = [r for r in candidates if r.num_preemptions < limit] or candidates
+        tier = self.policy.tier
+        top = max(tier(r) for r in pool)
+        pool = [r for r in pool if tier(r) == top]
+        pool.sort(key=self.policy.key, reverse=True)
+        freeable = self.kv.num_freeable_blocks
+
+        def lost_per_block(r: Request) -> float:
+            freed = freeable(r)
+            return r.num_computed_tokens / freed if freed else float("inf")
+
+        return min(pool, key=lost_per_block)
+
+    def _wait_instead(self, req: Request, n: int, b: StepBuilder) -> bool:
+        """Cost-aware: leave ``req`` out of this step instead of preempting for it when
+        this step already threw away a step's budget of work, or when requests finishing
+        in this step (by length: certain) free the blocks it lacks."""
+        if b.discarded >= self.config.max_num_batched_tokens:
+            self.stats.num_preemptions_avoided += 1
+            return True
+        short = self.kv.num_blocks_short(req, n)
+        if b.finishing_blocks < 0:
+            freeable = self.kv.num_freeable_blocks
+            b.finishing_blocks = sum(
+                freeable(r) for r in self.running
+                if r.request_id in b.scheduled and r.output_token_ids
+                and b.scheduled[r.request_id] == r.num_tokens - r.num_computed_tokens
+                and len(r.output_token_ids) + 1 >= r.sampling_params.max_tokens)
+        if 0 < short <= b.finishing_blocks:
+            b.finishing_blocks -= short  # NOTE: promised to req, not to the next one
+            self.stats.num_preemptions_avoided += 1
+            return True
+        return False
 
     def _preempt(self, victim: Request, b: StepBuilder) -> None:
         """Take ``victim`` (already chosen) off the device, with its whole group if it has
@@ -93,10 +143,13 @@ class Preemption:
         b.uncharge(rid)
         # NOTE: a step never both swaps in and swaps out, so host blocks released by a
         # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
+        # NOTE: cost-aware: a victim with at most one block of work recomputes it (cheaper
+        # than copying a block out and back, and it keeps the host tier for long contexts).
         swap = (
             self.config.preemption_mode == "swap"
             and not b.swap_in
-            and victim.num_computed_tokens > 0
+            and victim.num_computed_tokens > (
+                self.kv.block_size if self.config.cost_aware_preemption else 0)
             and (victim.group is None or victim.group.forked)  # NOTE: leaders recompute
             and self.kv.can_swap_out(victim)
         )
@@ -111,6 +164,7 @@ class Preemption:
             self.stats.num_blocks_swapped_out += len(pairs)
             b.preempted.append((rid, "swap"))
         else:
+            b.discarded += victim.num_computed_tokens
             self.kv.free(victim)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED

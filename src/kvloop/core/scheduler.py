@@ -25,7 +25,7 @@ from kvloop.core.interface import (
     SchedulerOutput,
 )
 from kvloop.core.kv_cache_manager import KVCacheManager
-from kvloop.core.policy import get_policy
+from kvloop.core.policies import make_policy
 from kvloop.core.preemption import Preemption
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.stats import SchedulerStats, StepRecorder
@@ -49,11 +49,11 @@ class Scheduler(Preemption, GroupForking):
         self.cache_config = cache_config
         self.clock = clock
         self.recorder = recorder
-        self.policy = get_policy(scheduler_config.policy)
+        self.policy = make_policy(scheduler_config, clock)
         self.kv = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
         """Every unfinished request, by id."""
-        self.waiting = self.policy.make_queue()
+        self.waiting = self.policy.waiting
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.stats = SchedulerStats()
@@ -167,6 +167,7 @@ class Scheduler(Preemption, GroupForking):
         request.status = status
         request.finished_time = self.clock()
         self.kv.free(request)
+        self.policy.forget(request)
         self._prefilling.discard(request.request_id)
         self._unforked.pop(request.request_id, None)
         del self.requests[request.request_id]
@@ -196,7 +197,13 @@ class Scheduler(Preemption, GroupForking):
         """Decide the next step. Must be followed by ``update_from_output``."""
         if self._step is not None:
             raise RuntimeError("schedule() called twice without update_from_output()")
-        b = self._step = StepBuilder(self.config.max_num_batched_tokens, self.clock())
+        budget = self.config.max_num_batched_tokens
+        token_cap = self.policy.token_cap
+        if token_cap is not None:
+            cap = token_cap(self.running)
+            if cap is not None and cap < budget:
+                budget = max(1, cap)
+        b = self._step = StepBuilder(budget, self.clock())
         try:
             for schedule_pass in self._passes:
                 schedule_pass(b)
@@ -290,6 +297,7 @@ class Scheduler(Preemption, GroupForking):
                 b.charge_decodes(todo[:k], new_blocks)
         allocate = self.kv.allocate_slots
         charge = b.charge
+        cost_aware = self.config.cost_aware_preemption
         # NOTE: a copy: preemptions edit ``running`` while the loop walks it; victims not
         # yet visited are skipped by their status.
         for req in todo[k:]:
@@ -306,6 +314,8 @@ class Scheduler(Preemption, GroupForking):
                     continue
             n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
             new_ids = allocate(req, n)
+            if new_ids is None and cost_aware and self._wait_instead(req, n, b):
+                continue
             while new_ids is None:
                 self._preempt(self._victim(b), b)
                 if req.status is not _RUNNING:
@@ -353,11 +363,18 @@ class Scheduler(Preemption, GroupForking):
             return
         cfg, kv = self.config, self.kv
         skipped: list[Request] = []
+        reject = self.policy.reject
         unforked = self._unforked
         reserved = sum(unforked.values()) if unforked else 0
         while (len(waiting) and b.budget > 0
                and len(self.running) + reserved < cfg.max_num_seqs):
             req = waiting.pop()
+            if reject is not None and req.num_preemptions == 0:
+                why = reject(req, b.start_time)
+                if why is not None:
+                    req.error = why
+                    self._finish(req, RequestStatus.FINISHED_REJECTED)
+                    continue
             if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
                 skipped.append(req)
                 continue
@@ -443,6 +460,8 @@ class Scheduler(Preemption, GroupForking):
             raise RuntimeError("update_from_output() without a scheduled step")
         # NOTE: the step stays pending until its results are applied: if this raises
         # half-way, ``abandon_step`` can still fail its requests (``step_pending``).
+        if self.policy.on_step is not None:
+            self.policy.on_step(scheduler_output, self.requests, b.start_time)
         now = self.clock()
         sampled = runner_output.sampled_token_ids
         requests = self.requests

@@ -108,6 +108,8 @@ class SchedulerStats:
     num_swap_preemptions: int = 0
     num_recomputed_tokens: int = 0
     """Tokens computed again after recompute preemptions (prefix hits excluded)."""
+    num_preemptions_avoided: int = 0
+    """Times cost-aware preemption left a request out of a step instead of preempting."""
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
     kv_usage_sum: float = 0.0

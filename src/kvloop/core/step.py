@@ -21,7 +21,9 @@ class StepBuilder:
         "admitted",
         "budget",
         "copies",
+        "discarded",
         "finished",
+        "finishing_blocks",
         "forked",
         "new_blocks",
         "pinned",
@@ -55,6 +57,11 @@ class StepBuilder:
         self.swap_in: list[tuple[int, int]] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swapped_in: list[str] = []
+        self.discarded = 0
+        """Computed tokens thrown away by recompute preemptions in this step."""
+        self.finishing_blocks = -1
+        """Blocks that requests finishing by length in this step will free, less those
+        promised to requests that wait for them (-1: not counted yet)."""
         self.pinned: set[str] = set()
         """Swapped in or forked during this step: never a victim in the same step."""
         self.preempted: list[tuple[str, str]] = []

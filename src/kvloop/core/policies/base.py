@@ -1,8 +1,10 @@
-"""Scheduling policies: the waiting-queue order and the preemption-victim rule.
+"""What every scheduling policy is made of: a waiting queue and an urgency order.
 
-A policy is looked up by name in ``POLICIES`` (a registry, not an if/elif chain). Its
-``key`` orders requests from most to least urgent; the preemption victim is the running
-request with the largest key (least urgent, then latest arrived).
+A ``Policy`` is one object per scheduler (it may keep state: counters, estimates). The
+scheduler asks it for the waiting queue, the urgency ``key`` of a request (victims are the
+least urgent), a coarse ``tier`` for cost-aware victim choice, and, where the policy needs
+them, a per-step token cap, a rejection test and a hook after every step. Hooks a policy
+does not use stay ``None`` so the scheduler's hot path skips them.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from kvloop.core.request import Request
+
+if TYPE_CHECKING:
+    from kvloop.config import SchedulerConfig
+    from kvloop.core.interface import SchedulerOutput
 
 PolicyKey = Callable[[Request], tuple[float, ...]]
 """A total order: equal keys never occur (``arrival_order`` breaks ties). NOTE: this is
@@ -62,6 +68,9 @@ class FCFSQueue(WaitingQueue):
     def pop(self) -> Request:
         return self._q.popleft()
 
+    def peek(self) -> Request:
+        return self._q[0]
+
     def remove(self, request: Request) -> bool:
         try:
             self._q.remove(request)
@@ -76,12 +85,15 @@ class FCFSQueue(WaitingQueue):
         return iter(self._q)
 
 
-class PriorityQueue(WaitingQueue):
-    """Lowest ``priority`` value first, then earliest arrival (a heap, lazy removal)."""
+class KeyedQueue(WaitingQueue):
+    """Smallest ``key`` first (a heap with lazy removal). NOTE: the key of a waiting
+    request must not change while it waits (aging is built into the key, not applied to it).
+    """
 
-    def __init__(self) -> None:
-        # Entries are [priority, arrival_time, arrival_order, tie, request | None]; a
-        # removed entry keeps its place with request None until it reaches the top.
+    def __init__(self, key: PolicyKey) -> None:
+        self._key = key
+        # Entries are [*key, tie, request | None]; a removed entry keeps its place with
+        # request None until it reaches the top.
         self._heap: list[list] = []
         self._live: dict[int, list] = {}
         """id(request) -> its live heap entry."""
@@ -90,13 +102,7 @@ class PriorityQueue(WaitingQueue):
     def add(self, request: Request) -> None:
         if id(request) in self._live:
             raise ValueError(f"request {request.request_id!r} is already waiting")
-        entry = [
-            request.priority,
-            request.arrival_time,
-            request.arrival_order,
-            next(self._tie),
-            request,
-        ]
+        entry = [*self._key(request), next(self._tie), request]
         self._live[id(request)] = entry
         heapq.heappush(self._heap, entry)
 
@@ -110,6 +116,10 @@ class PriorityQueue(WaitingQueue):
             heapq.heappop(heap)
         if not heap:
             raise IndexError("the waiting queue is empty")
+
+    def peek(self) -> Request:
+        self._prune()
+        return self._heap[0][-1]
 
     def pop(self) -> Request:
         self._prune()
@@ -128,35 +138,44 @@ class PriorityQueue(WaitingQueue):
         return len(self._live)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[-1] for e in sorted(self._live.values(), key=lambda e: e[:4]))
+        return (e[-1] for e in sorted(self._live.values(), key=lambda e: e[:-1]))
 
 
-@dataclass(frozen=True)
 class Policy:
-    """A named scheduling policy."""
+    """How one scheduler orders waiting work and chooses victims. Subclasses set ``name``
+    and override what they change; one instance serves one scheduler."""
 
-    name: str
+    name: ClassVar[str] = ""
     """The name users pass as ``policy`` / ``--scheduling-policy``."""
-    make_queue: Callable[[], WaitingQueue]
-    """Factory of the waiting queue in this policy's order."""
-    key: PolicyKey
-    """Urgency order: smaller is more urgent; the largest running key is the victim."""
-    preempts_running: bool = False
+    preempts_running: ClassVar[bool] = False
     """A waiting request that does not fit may preempt running requests strictly less
     urgent than itself (otherwise it waits for blocks to free up)."""
 
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.waiting: WaitingQueue = self.make_queue()
+        self.token_cap: Callable[[list[Request]], int | None] | None = None
+        """When set: the most tokens the next step may take, given the running requests
+        (None from it: no cap beyond ``max_num_batched_tokens``)."""
+        self.reject: Callable[[Request, float], str | None] | None = None
+        """When set: asked for each request popped from the waiting queue (never run yet)
+        at the step's start time; a message means it is finished as ``rejected``."""
+        self.on_step: Callable[[SchedulerOutput, dict[str, Request], float], None] | None = None
+        """When set: called once per step before its results are applied, with the step,
+        the unfinished requests and its start time."""
 
-POLICIES: dict[str, Policy] = {
-    "fcfs": Policy("fcfs", FCFSQueue, lambda r: (r.arrival_time, r.arrival_order)),
-    "priority": Policy(
-        "priority", PriorityQueue, lambda r: (r.priority, r.arrival_time, r.arrival_order),
-        preempts_running=True,
-    ),
-}
+    def make_queue(self) -> WaitingQueue:
+        return KeyedQueue(self.key)
 
+    def key(self, request: Request) -> tuple[float, ...]:
+        """Urgency order: smaller is more urgent; the largest running key is the victim."""
+        return (request.arrival_time, request.arrival_order)
 
-def get_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}") from None
+    def forget(self, request: Request) -> None:
+        """The request finished: drop whatever the policy kept about it."""
+
+    def tier(self, request: Request) -> float:
+        """Coarse urgency class for cost-aware preemption: victims come from the highest
+        tier among the candidates, and within it the cheapest goes."""
+        return 0.0
