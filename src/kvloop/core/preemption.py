@@ -45,20 +45,21 @@ class Preemption:
 
         def _finish(self, request: Request, status: RequestStatus) -> None: ...
 
-    def _victim(self, b: StepBuilder) -> Request:
-        victim = self._pick_victim(b, worse_than=None)
+    def _victim(self, b: StepBuilder, need: int = 1) -> Request:
+        victim = self._pick_victim(b, worse_than=None, need=need)
         assert victim is not None, "the request that needs room is never pinned"
         return victim
 
-    def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None:
+    def _pick_victim(
+        self, b: StepBuilder, worse_than: Request | None, need: int = 1
+    ) -> Request | None:
         """The running request to preempt now, or None if none may go.
 
         Candidates: running requests not swapped in or forked in this step; with
         ``worse_than``, only those strictly less urgent than it, not admitted in this step
         (so priority preemption cannot cycle). Without cost-aware preemption the least
-        urgent, latest arrived candidate goes. With it (``_cheapest``): requests preempted
-        ``max_preemptions`` times are spared while another candidate exists, and within the
-        least urgent tier the one that throws away the least work per block freed goes.
+        urgent, latest arrived candidate goes; with it, the cheapest (``_cheapest``) of
+        those that free the ``need`` blocks missing.
         """
         key = self.policy.key
         if worse_than is None:
@@ -77,15 +78,17 @@ class Preemption:
             return None
         if not self.config.cost_aware_preemption or len(candidates) == 1:
             return max(candidates, key=key)
-        return self._cheapest(candidates)
+        return self._cheapest(candidates, need)
 
-    def _cheapest(self, candidates: list[Request]) -> Request:
-        """Cost-aware victim: spare the often preempted, keep to the least urgent tier,
-        then take the fewest computed tokens per block it alone holds (ties: least urgent).
+    def _cheapest(self, candidates: list[Request], need: int) -> Request:
+        """Cost-aware victim: spare requests preempted ``max_preemptions`` times, keep to
+        the least urgent tier, and of those that free at least ``need`` blocks (else of
+        those that free the most) take the one with the fewest computed tokens: the work a
+        recompute throws away. Ties: the least urgent.
 
-        NOTE: a candidate that frees no block (all shared) is chosen only if every one is
-        such; the requester is always among the running-pass candidates, so some choice
-        frees room or preempts the requester itself.
+        NOTE: a request whose blocks are all shared frees nothing and is never preferred;
+        in the running pass the requester itself is a candidate, so the choice always
+        frees room or takes the requester off the device.
         """
         limit = self.config.max_preemptions
         pool = [r for r in candidates if r.num_preemptions < limit] or candidates
@@ -93,13 +96,12 @@ class Preemption:
         top = max(tier(r) for r in pool)
         pool = [r for r in pool if tier(r) == top]
         pool.sort(key=self.policy.key, reverse=True)
-        freeable = self.kv.num_freeable_blocks
-
-        def lost_per_block(r: Request) -> float:
-            freed = freeable(r)
-            return r.num_computed_tokens / freed if freed else float("inf")
-
-        return min(pool, key=lost_per_block)
+        freeable = {id(r): self.kv.num_freeable_blocks(r) for r in pool}
+        enough = [r for r in pool if freeable[id(r)] >= need]
+        if not enough:
+            most = max(freeable.values())
+            enough = [r for r in pool if freeable[id(r)] == most]
+        return min(enough, key=lambda r: r.num_computed_tokens)
 
     def _wait_instead(self, req: Request, n: int, b: StepBuilder) -> bool:
         """Cost-aware: leave ``req`` out of this step instead of preempting for it when

@@ -317,7 +317,7 @@ class Scheduler(Preemption, GroupForking):
             if new_ids is None and cost_aware and self._wait_instead(req, n, b):
                 continue
             while new_ids is None:
-                self._preempt(self._victim(b), b)
+                self._preempt(self._victim(b, self.kv.num_blocks_short(req, n)), b)
                 if req.status is not _RUNNING:
                     break  # req itself (or its group) was preempted
                 new_ids = allocate(req, n)
@@ -409,7 +409,7 @@ class Scheduler(Preemption, GroupForking):
             req.num_computed_tokens = num_hit
             new_ids = kv.allocate_slots(req, n, hits)
             while new_ids is None and self.policy.preempts_running:
-                victim = self._pick_victim(b, worse_than=req)
+                victim = self._pick_victim(b, worse_than=req, need=kv.num_blocks_short(req, n))
                 if victim is None:
                     break
                 self._preempt(victim, b)

@@ -6,7 +6,7 @@ the paper), divided by the tenant's weight. The waiting request admitted next is
 oldest of the backlogged tenant with the smallest counter, so a tenant cannot take more
 than its share by sending more. A tenant that becomes backlogged has its counter lifted
 to the smallest counter among the active tenants (backlogged ones, or else those served
-in the last step), so idling banks no credit.
+in the last step that served anyone), so idling banks no credit.
 
 NOTE: fairness survives preemption: counters are never rolled back, recomputed prompt
 tokens are not charged again (``Request.num_served_tokens`` is a high-water mark), and
@@ -103,7 +103,8 @@ class FairPolicy(Policy):
         """Tenant -> weighted service received (prompt + 2 x output tokens) / weight."""
         self.weights = dict(config.tenant_weights)
         self._active: set[str] = set()
-        """Tenants served in the last step."""
+        """Tenants served in the last step that served anyone (so an idle engine still
+        lifts a newcomer to where service stopped)."""
         super().__init__(config, clock)
         self.on_step = self._charge
 
@@ -149,4 +150,5 @@ class FairPolicy(Policy):
                 units += OUTPUT_WEIGHT  # the step samples one output token
             if units:
                 counters[tenant] = counters.get(tenant, 0.0) + units / weights.get(tenant, 1.0)
-        self._active = active
+        if active:
+            self._active = active

@@ -1,0 +1,293 @@
+"""Each scheduling policy's ordering, admission and preemption decisions on hand-built
+scenarios, the starvation bound, and cost-aware preemption."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import FakeClock, FakeExecutor, make_scheduler, req, run_all, step
+from kvloop.core import RequestStatus
+from kvloop.core.policies import StepTimes
+
+
+def _order(s, n_steps=1, ex=None, clock=None):
+    """Ids first scheduled in the next ``n_steps`` steps, in order."""
+    seen = []
+    for _ in range(n_steps):
+        out = step(s, ex, clock)
+        seen += [rid for rid in out.num_scheduled_tokens if rid not in seen]
+    return seen
+
+
+# -- StepTimes -----------------------------------------------------------------------------
+def test_step_times_fit_a_linear_cost_exactly():
+    t = StepTimes()
+    assert not t.ready
+    for tokens in (1, 10, 50, 200, 7, 64):
+        t.observe(tokens, 0.002 + 1e-4 * tokens)
+    assert t.ready
+    assert t.overhead_s == pytest.approx(0.002) and t.per_token_s == pytest.approx(1e-4)
+    assert t.predict(100) == pytest.approx(0.012)
+    assert t.prefill(250, 100) == pytest.approx(3 * 0.002 + 250 * 1e-4)
+    assert t.tokens_within(0.012) == pytest.approx(100, abs=1)
+
+
+def test_step_times_of_one_size_never_under_predict_larger_steps():
+    t = StepTimes()
+    for _ in range(6):
+        t.observe(32, 0.01)
+    assert t.predict(32) == pytest.approx(0.01) and t.predict(64) >= 0.02 - 1e-12
+
+
+# -- priority with aging ---------------------------------------------------------------------
+def test_priority_ages_a_waiting_request_ahead_of_newer_urgent_ones():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="priority", aging_s=1.0, max_num_seqs=1)
+    s.add_request(req("low", 4, 1, priority=3, arrival=0.0))
+    clock.now = 2.0
+    s.add_request(req("new-urgent", 4, 1, priority=0, arrival=2.0))  # key 2.0 < 3.0
+    clock.now = 3.5
+    s.add_request(req("late-urgent", 4, 1, priority=0, arrival=3.5))  # key 3.5 > 3.0
+    assert _order(s, 3) == ["new-urgent", "low", "late-urgent"]
+
+
+def test_strict_priority_without_aging():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="priority", aging_s=0.0, max_num_seqs=1)
+    s.add_request(req("low", 4, 1, priority=3, arrival=0.0))
+    s.add_request(req("urgent", 4, 1, priority=0, arrival=100.0))
+    assert _order(s, 2) == ["urgent", "low"]
+
+
+_stream = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(1, 4)),
+                   min_size=2, max_size=14)
+
+
+def _serve_one_at_a_time(policy: str, aging_s: float, items, **kw):
+    """One request at a time, one step per time unit; arrivals every time unit."""
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy=policy, aging_s=aging_s, max_num_seqs=1,
+                       max_num_batched_tokens=64, **kw)
+    ex = FakeExecutor(step_time=1.0)
+    made = []
+    pending = list(enumerate(items))
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= clock.now:
+            i, (prio, plen, out) = pending.pop(0)
+            r = req(f"r{i}", plen, out, priority=prio, arrival=clock.now)
+            s.add_request(r)
+            made.append(r)
+        if s.has_unfinished_requests():
+            step(s, ex, clock)
+        else:
+            clock.now += 1.0
+        assert clock.now < 1000
+    return made
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=_stream, aging=st.sampled_from([1.0, 2.0, 5.0]))
+def test_priority_starvation_bound(items, aging):
+    """With aging A, a request of priority p is admitted after at most the service of the
+    requests that arrived up to (p - p_min) * A after it (one at a time, a step per unit,
+    a request of P prompt tokens and T outputs takes T steps here): it never starves."""
+    made = _serve_one_at_a_time("priority", aging, items)
+    p_min = min(r.priority for r in made)
+    for a in made:
+        horizon = a.arrival_time + (a.priority - p_min) * aging
+        ahead = [b for b in made if b is not a and b.arrival_time <= horizon]
+        bound = sum(b.max_tokens for b in ahead) + a.max_tokens  # steps, one per unit
+        assert a.finished_time - a.arrival_time <= bound + 1e-9, (a, bound)
+
+
+def test_without_aging_a_low_priority_request_waits_for_the_whole_stream():
+    # r1 (low) arrives while r0 runs, then a stream of urgent ones keeps coming
+    items = [(0, 4, 2), (3, 4, 2)] + [(0, 4, 2)] * 12
+    aged = {r.request_id: r for r in _serve_one_at_a_time("priority", 1.0, items)}
+    strict = {r.request_id: r for r in _serve_one_at_a_time("priority", 0.0, items)}
+    assert aged["r1"].first_scheduled_time <= 1.0 + 3 * 1.0 + 2  # its bound, one in service
+    assert strict["r1"].first_scheduled_time > aged["r1"].first_scheduled_time + 10
+
+
+# -- slo -----------------------------------------------------------------------------------
+def test_slo_admits_the_tightest_deadline_first():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="slo", slo_ttft=10.0, max_num_seqs=1)
+    s.add_request(req("relaxed", 4, 1, arrival=0.0))  # due at 10
+    s.add_request(req("tight", 4, 1, arrival=0.5, slo_ttft=1.0))  # due at 1.5
+    s.add_request(req("default", 4, 1, arrival=1.0))  # due at 11
+    assert _order(s, 3) == ["tight", "relaxed", "default"]
+
+
+def test_slo_defers_a_request_that_can_no_longer_meet_its_ttft():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="slo", slo_ttft=1.0, max_num_seqs=1, aging_s=100.0)
+    s.add_request(req("busy", 4, 3, arrival=0.0))
+    step(s, clock=clock)
+    s.add_request(req("doomed", 4, 1, arrival=0.0, slo_ttft=0.001))  # already late
+    s.add_request(req("fine", 4, 1, arrival=0.0))
+    clock.now = 0.5
+    seen = _order(s, 6, clock=clock)
+    assert seen.index("fine") < seen.index("doomed")
+    run_all(s)
+    assert s.stats.finished_by_reason == {"length": 3}
+
+
+def test_slo_serves_a_deferred_request_first_once_it_is_aging_s_late():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="slo", slo_ttft=1.0, max_num_seqs=1, aging_s=2.0)
+    s.add_request(req("doomed", 4, 1, arrival=0.0, slo_ttft=0.001))
+    clock.now = 5.0  # past its deadline by more than aging_s
+    s.add_request(req("fresh", 4, 1, arrival=5.0))
+    assert _order(s, 1) == ["doomed"]
+
+
+def test_slo_rejects_late_requests_and_frees_everything():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="slo", slo_ttft=1.0, slo_overload="reject",
+                       max_num_seqs=1)
+    s.add_request(req("first", 4, 3, arrival=0.0))
+    s.add_request(req("second", 4, 1, arrival=0.0))
+    ex = FakeExecutor(step_time=0.6)
+    out = step(s, ex, clock)
+    assert list(out.num_scheduled_tokens) == ["first"]
+    while s.has_unfinished_requests():
+        step(s, ex, clock)
+    assert s.stats.finished_by_reason == {"length": 1, "rejected": 1}
+    assert s.kv.num_used_blocks == 0 and not s.requests
+    assert not s.policy._latest_start  # nothing kept about finished requests
+
+
+def test_slo_caps_the_step_to_keep_running_decodes_within_tpot():
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="slo", slo_ttft=100.0, slo_tpot=0.05,
+                       max_num_batched_tokens=512, num_gpu_blocks=512, max_model_len=2048)
+
+    class Linear(FakeExecutor):
+        def execute(self, out):
+            result = super().execute(out)
+            result.step_time_s = 0.01 + 1e-3 * out.total_num_scheduled_tokens
+            return result
+
+    ex = Linear()
+    s.add_request(req("chat", 8, 200, arrival=0.0))
+    for i in range(6):  # warm up the step-time model with prompts of several sizes
+        s.add_request(req(f"warm{i}", 16 + 40 * i, 1, arrival=0.0))
+        step(s, ex, clock)
+    s.add_request(req("long", 1500, 1, arrival=clock.now))
+    out = step(s, ex, clock)
+    # 0.05 s allows (0.05 - 0.01) / 1e-3 = 40 tokens, not the 512 budget
+    assert out.total_num_scheduled_tokens <= 40 + 1
+    assert out.num_scheduled_tokens["chat"] == 1 and out.total_num_scheduled_tokens > 1
+    assert out.total_num_scheduled_tokens == 40  # the prompt work still gets the rest
+
+
+# -- fair ----------------------------------------------------------------------------------
+def test_fair_admits_the_least_served_tenant_first():
+    s = make_scheduler(policy="fair", max_num_seqs=1)
+    for i in range(4):
+        s.add_request(req(f"heavy{i}", 8, 4, tenant="heavy", arrival=0.0))
+    s.add_request(req("light0", 8, 4, tenant="light", arrival=1.0))
+    order = _order(s, 30)
+    assert order[:3] == ["heavy0", "light0", "heavy1"]
+
+
+def test_fair_weights_give_proportional_service():
+    s = make_scheduler(policy="fair", max_num_seqs=1, tenant_weights=(("gold", 3.0),))
+    for i in range(12):
+        s.add_request(req(f"g{i}", 8, 4, tenant="gold"))
+        s.add_request(req(f"f{i}", 8, 4, tenant="free"))
+    order = _order(s, 40)
+    first8 = [rid[0] for rid in order[:8]]
+    assert first8.count("g") == 6 and first8.count("f") == 2
+
+
+def test_fair_lifts_a_returning_tenant_so_idling_banks_no_credit():
+    s = make_scheduler(policy="fair", max_num_seqs=1)
+    s.add_request(req("a0", 8, 4, tenant="a"))
+    s.add_request(req("a1", 8, 4, tenant="a"))
+    for _ in range(12):
+        step(s)
+    assert s.policy.counters["a"] > 0 and "b" not in s.policy.counters
+    s.add_request(req("b0", 8, 4, tenant="b"))
+    assert s.policy.counters["b"] == s.policy.counters["a"]  # lifted, no banked credit
+
+
+def test_fair_does_not_charge_recomputed_prompt_tokens():
+    s = make_scheduler(policy="fair", num_gpu_blocks=6, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", 8, 12, tenant="a"))
+    s.add_request(req("b", 8, 12, tenant="b"))
+    run_all(s)
+    assert s.stats.num_recompute_preemptions > 0
+    # each tenant: 8 prompt tokens + 2 per output token, whatever was recomputed
+    assert s.policy.counters == {"a": 8 + 2 * 12, "b": 8 + 2 * 12}
+
+
+# -- cost-aware preemption -------------------------------------------------------------------
+def _two_running(cost_aware: bool):
+    """'long' (40 computed tokens) arrived last; 'short' (8) arrived first; the pool fills."""
+    s = make_scheduler(num_gpu_blocks=14, block_size=4, max_num_batched_tokens=128,
+                       cost_aware_preemption=cost_aware, enable_prefix_caching=False)
+    s.add_request(req("short", 7, 30, arrival=0.0))  # 10 blocks at the end
+    s.add_request(req("long", 24, 20, arrival=1.0))  # 11 blocks at the end
+    preempted = []
+    while s.has_unfinished_requests():
+        preempted += step(s).preempted_request_ids
+    return s, preempted
+
+
+def test_newest_first_throws_away_the_long_context():
+    _, preempted = _two_running(cost_aware=False)
+    assert preempted[0] == "long"
+
+
+def test_cost_aware_preempts_the_request_that_loses_least_per_block():
+    s, preempted = _two_running(cost_aware=True)
+    assert preempted[0] == "short"
+    newest, _ = _two_running(cost_aware=False)
+    assert s.stats.num_recomputed_tokens < newest.stats.num_recomputed_tokens
+
+
+def test_cost_aware_waits_for_a_request_that_finishes_this_step():
+    s = make_scheduler(num_gpu_blocks=4, block_size=4, max_num_batched_tokens=64,
+                       enable_prefix_caching=False)
+    s.add_request(req("ending", 7, 2, arrival=0.0))  # 2 blocks; finishes after 2 outputs
+    s.add_request(req("growing", 8, 6, arrival=1.0))  # needs a 3rd block at 9 tokens
+    run_all(s)
+    assert s.stats.num_preemptions == 0 and s.stats.num_preemptions_avoided >= 1
+    s2 = make_scheduler(num_gpu_blocks=4, block_size=4, max_num_batched_tokens=64,
+                        enable_prefix_caching=False, cost_aware_preemption=False)
+    s2.add_request(req("ending", 7, 2, arrival=0.0))
+    s2.add_request(req("growing", 8, 6, arrival=1.0))
+    run_all(s2)
+    assert s2.stats.num_preemptions >= 1
+
+
+def test_a_request_preempted_max_preemptions_times_is_spared():
+    s = make_scheduler(num_gpu_blocks=10, block_size=4, max_num_batched_tokens=64,
+                       max_preemptions=1, enable_prefix_caching=False)
+    a, b = req("a", 4, 20, arrival=0.0), req("b", 4, 20, arrival=1.0)
+    s.add_request(a)
+    s.add_request(b)
+    victims = []
+    while s.has_unfinished_requests():
+        victims += step(s).preempted_request_ids
+    assert victims, "the pool was meant to overflow"
+    for rid in set(victims):
+        # once preempted, a request goes again only when the other one is spared too
+        counts = victims.count(rid)
+        assert counts <= 2, victims
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_cost_aware_swap_recomputes_a_victim_with_one_block_of_work():
+    s = make_scheduler(num_gpu_blocks=3, num_cpu_blocks=16, block_size=4,
+                       max_num_batched_tokens=64, preemption_mode="swap",
+                       enable_prefix_caching=False)
+    s.add_request(req("big", 8, 4, arrival=0.0))  # needs a 3rd block at its 2nd step
+    s.add_request(req("tiny", 2, 8, arrival=1.0))  # 3 computed tokens by then
+    modes = []
+    while s.has_unfinished_requests():
+        step(s)
+        modes += [m for _, m in s.recorder.records[-1].preempted]
+    assert "recompute" in modes
