@@ -1,10 +1,11 @@
 """Validate once: a request becomes a ``ValidatedRequest`` here, and nowhere else.
 
 ``validate_request`` encodes the prompt (text, token ids, or vLLM's ``{"prompt": ...}`` /
-``{"prompt_token_ids": [...]}`` dicts), checks the sampling parameters, priority and cache
-salt, and checks that prompt + output fit the engine's ``EngineLimits``. Every rejection is an
-``InvalidRequestError`` whose ``field`` names the bad input. Inner layers (the engine thread,
-the engine, the scheduler) trust the result; the scheduler keeps one last-line check.
+``{"prompt_token_ids": [...]}`` dicts), checks the sampling parameters, priority, cache salt,
+tenant and SLO targets (``slo_ttft``/``slo_tpot``), and checks that prompt + output fit
+the engine's ``EngineLimits``. Every rejection is an ``InvalidRequestError`` whose ``field``
+names the bad input. Inner layers (the engine thread, the engine, the scheduler) trust the
+result; the scheduler keeps one last-line check.
 
 The functions are pure (limits and tokenizer are read-only), so the server calls them on
 worker threads (``server/prompt_workers.py``) and hands the validated object to the engine
@@ -15,6 +16,7 @@ thread. A text prompt too long to possibly fit is refused before it is tokenized
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
@@ -23,6 +25,8 @@ from kvloop.errors import InvalidRequestError
 from kvloop.sampling_params import SamplingParams
 
 __all__ = [
+    "MAX_SLO_S",
+    "MAX_TENANT_CHARS",
     "EncodedPrompt",
     "EngineLimits",
     "InvalidRequestError",
@@ -31,6 +35,8 @@ __all__ = [
     "TokensPrompt",
     "ValidatedRequest",
     "check_prompt_chars",
+    "check_slo",
+    "check_tenant",
     "default_max_tokens",
     "encode_prompt",
     "max_prompt_chars",
@@ -55,6 +61,11 @@ class TokensPrompt(TypedDict, total=False):
 
 PromptInput = str | Sequence[int] | TextPrompt | TokensPrompt
 """A prompt as callers give it: text, token ids, or one of vLLM's prompt dicts."""
+
+MAX_TENANT_CHARS = 256
+"""Longest tenant name (the OpenAI ``user`` field or kvloop's ``tenant``)."""
+MAX_SLO_S = 1e9
+"""SLO targets must be below this many seconds (``Request`` refuses more)."""
 
 _DICT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
@@ -116,6 +127,12 @@ class ValidatedRequest:
     """Scheduling priority (lower runs first under the ``priority`` policy)."""
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from other salts."""
+    tenant: str = ""
+    """Who sent it (the OpenAI ``user``); the ``fair`` policy shares service by it."""
+    slo_ttft: float | None = None
+    """TTFT target in seconds (None: the scheduler's default)."""
+    slo_tpot: float | None = None
+    """TPOT target in seconds (None: the scheduler's default)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -245,8 +262,14 @@ def validate_request(
     tokenizer: Encoder | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    tenant: str | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
 ) -> ValidatedRequest:
     """The one check of a request: encode, validate, fit to ``limits``.
+
+    ``tenant`` (None: none) is at most ``MAX_TENANT_CHARS`` characters; ``slo_ttft`` and
+    ``slo_tpot`` (None: the scheduler's defaults) are positive, finite seconds.
 
     ``prompt`` may be already encoded by ``encode_prompt`` (the server does that first, to
     derive the default ``max_tokens``); it is not checked again. Raises
@@ -273,10 +296,40 @@ def validate_request(
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string, "
                                   f"got {salt!r}")
+    tenant = check_tenant(tenant)
+    slo_ttft = check_slo("slo_ttft", slo_ttft)
+    slo_tpot = check_slo("slo_tpot", slo_tpot)
     _check_fits(len(enc.prompt_token_ids), params.max_tokens, limits)
     if params.n > 1:
         _check_group(len(enc.prompt_token_ids), params, limits)
-    return ValidatedRequest(enc.prompt_token_ids, params, enc.prompt, priority, salt)
+    return ValidatedRequest(enc.prompt_token_ids, params, enc.prompt, priority, salt,
+                            tenant, slo_ttft, slo_tpot)
+
+
+def check_tenant(tenant: str | None, field: str = "tenant") -> str:
+    """The tenant name to queue (``""``: none); ``InvalidRequestError`` naming ``field``
+    unless it is a string of at most ``MAX_TENANT_CHARS`` characters."""
+    if tenant is None:
+        return ""
+    if not isinstance(tenant, str):
+        raise InvalidRequestError(field, f"{field} must be a string, got "
+                                  f"{type(tenant).__name__}")
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequestError(field, f"{field} is {len(tenant)} characters; at most "
+                                  f"{MAX_TENANT_CHARS} are allowed")
+    return tenant
+
+
+def check_slo(field: str, value: float | None) -> float | None:
+    """An SLO target in seconds, as a float (None stays None: the scheduler's default);
+    ``InvalidRequestError`` naming ``field`` unless positive, finite and below ``MAX_SLO_S``."""
+    if value is None:
+        return None
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not math.isfinite(value) or not 0 < value < MAX_SLO_S):
+        raise InvalidRequestError(field, f"{field} must be a positive, finite number of "
+                                  f"seconds (below {MAX_SLO_S:g}), got {value!r}")
+    return float(value)
 
 
 def _check_fits(n: int, max_tokens: int, limits: EngineLimits) -> None:

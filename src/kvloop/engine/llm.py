@@ -80,6 +80,9 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        tenant: str | Sequence[str] | None = None,
+        slo_ttft: float | Sequence[float | None] | None = None,
+        slo_tpot: float | Sequence[float | None] | None = None,
         on_output: OutputHook | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come in input order.
@@ -91,16 +94,26 @@ class LLM:
         ``sampling_params`` None means ``get_default_sampling_params()``. ``on_output`` is
         called with (prompt index, output) as each step's outputs come: deltas
         (``new_text``, ``new_token_ids``, ``new_logprobs``), then the final one, to stream.
+
+        ``priority`` (one per prompt), and ``tenant``, ``slo_ttft`` and ``slo_tpot`` (one
+        value for all prompts or one per prompt) go to the scheduling policy: the tenant the
+        ``fair`` policy shares by, the TTFT/TPOT targets in seconds of ``slo`` (None: the
+        engine's ``slo_ttft``/``slo_tpot``). A request ``slo`` rejects (``slo_overload=
+        "reject"``) comes back with ``finish_reason == "rejected"`` and ``error`` set.
         """
         batch = _as_batch(prompts)
-        params = self._as_params(sampling_params, len(batch))
-        prios = list(priority) if priority is not None else [0] * len(batch)
-        if len(prios) != len(batch):
+        n = len(batch)
+        params = self._as_params(sampling_params, n)
+        prios = list(priority) if priority is not None else [0] * n
+        if len(prios) != n:
             raise InvalidRequestError("priority", "priority must have one entry per prompt")
+        tenants = _per_prompt("tenant", tenant, n)
+        ttfts = _per_prompt("slo_ttft", slo_ttft, n)
+        tpots = _per_prompt("slo_tpot", slo_tpot, n)
         validate = self.engine.validate
-        return self._run([validate(p, sp, priority=pr)
-                          for p, sp, pr in zip(batch, params, prios, strict=True)], use_tqdm,
-                         on_output)
+        return self._run([validate(batch[i], params[i], priority=prios[i], tenant=tenants[i],
+                                   slo_ttft=ttfts[i], slo_tpot=tpots[i]) for i in range(n)],
+                         use_tqdm, on_output)
 
     def chat(
         self,
@@ -156,7 +169,10 @@ class LLM:
                         if not out.finished or out.request_id not in order:
                             continue
                         group = samples.get(out.request_id)
-                        if group is not None:
+                        if group is not None and out.finish_reason == "rejected":
+                            # NOTE: refused before its sequences forked: one output is all.
+                            out = replace(out, outputs=[out])
+                        elif group is not None:
                             group[out.index] = out
                             if any(s is None for s in group):
                                 continue
@@ -169,6 +185,19 @@ class LLM:
             if self._trace_file is not None:
                 self._trace_file.flush()
         return results  # type: ignore[return-value]
+
+
+def _per_prompt(name: str, value: Any, n: int) -> list[Any]:
+    """One value for every prompt (a scalar, or None) or a sequence of one per prompt."""
+    if value is None or isinstance(value, str | int | float):
+        return [value] * n
+    try:
+        items = list(value)
+    except TypeError:
+        return [value] * n  # not a sequence: validation names what is wrong with it
+    if len(items) != n:
+        raise InvalidRequestError(name, f"{name} has {len(items)} entries for {n} prompts")
+    return items
 
 
 def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

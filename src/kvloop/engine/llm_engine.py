@@ -94,6 +94,8 @@ class LLMEngine:
         self._groups: dict[str, int] = {}
         """Requests with ``n > 1`` sequences -> n, while any of them is unfinished."""
         self._ids = itertools.count()
+        self._rejected: list[str] = []
+        """Requests the scheduler finished on arrival (rejected), for the next step."""
         self._logged_failure = False
         self.default_sampling: dict[str, Any] = {}
         """``SamplingParams`` fields a request's unset ones default to (the model's generation
@@ -168,6 +170,9 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        slo_ttft: float | None = None,
+        slo_tpot: float | None = None,
     ) -> ValidatedRequest:
         """Check and encode a request against this engine's limits (``InvalidRequestError``
         naming the field). Pure: safe on any thread; the engine is not touched."""
@@ -175,7 +180,8 @@ class LLMEngine:
             prompt = encode_prompt(prompt, self.limits, self.tokenizer,
                                    token_chars=self._token_chars)
         return validate_request(prompt, params, self.limits, tokenizer=self.tokenizer,
-                                priority=priority, cache_salt=cache_salt)
+                                priority=priority, cache_salt=cache_salt, tenant=tenant,
+                                slo_ttft=slo_ttft, slo_tpot=slo_tpot)
 
     def add_request(
         self,
@@ -185,22 +191,29 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        slo_ttft: float | None = None,
+        slo_tpot: float | None = None,
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
         ``prompt`` is a ``ValidatedRequest`` (from ``validate``: queued as is) or a raw prompt
-        (text, token ids or a vLLM prompt dict) validated here with ``params``, ``priority``
-        and ``cache_salt``. Invalid input raises ``InvalidRequestError`` and leaves the engine
-        untouched.
+        (text, token ids or a vLLM prompt dict) validated here with ``params``, ``priority``,
+        ``cache_salt``, ``tenant`` and the SLO targets ``slo_ttft``/``slo_tpot`` (seconds).
+        Invalid input raises ``InvalidRequestError`` and leaves the engine untouched. A
+        request the scheduling policy rejects (``slo`` with ``slo_overload="reject"``) ends
+        with finish reason ``rejected`` and its ``error`` in a later ``step()``'s outputs.
         """
         if isinstance(prompt, ValidatedRequest):
-            if params is not None or priority != 0 or cache_salt is not None:
-                raise TypeError("a ValidatedRequest already carries its params, priority and "
-                                "cache_salt")
+            if (params is not None or priority != 0 or cache_salt is not None
+                    or tenant is not None or slo_ttft is not None or slo_tpot is not None):
+                raise TypeError("a ValidatedRequest already carries its params, priority, "
+                                "cache_salt, tenant and SLO targets")
             vreq = prompt
         else:
-            vreq = self.validate(prompt, params, priority=priority, cache_salt=cache_salt)
+            vreq = self.validate(prompt, params, priority=priority, cache_salt=cache_salt,
+                                 tenant=tenant, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self._tracked:
             raise InvalidRequestError("request_id", f"request_id {rid!r} is already in use")
@@ -213,12 +226,16 @@ class LLMEngine:
             priority=vreq.priority,
             cache_salt=vreq.cache_salt,
             eos_token_ids=self.eos_token_ids,
+            tenant=vreq.tenant,
+            slo_ttft=vreq.slo_ttft,
+            slo_tpot=vreq.slo_tpot,
         )
         detok = None
         if self.tokenizer is not None:
             detok = self.tokenizer.detokenizer(vreq.prompt_token_ids, params)
         self.scheduler.add_request(request)
-        if request.is_finished:
+        rejected = request.status == RequestStatus.FINISHED_REJECTED
+        if request.is_finished and not rejected:
             # NOTE: refused by the scheduler's own check (a ValidatedRequest made under other
             # limits): an error now, or it would never be reported and never finish.
             raise InvalidRequestError("max_tokens", request.error or "the request cannot run")
@@ -231,6 +248,8 @@ class LLMEngine:
         )
         if params.n > 1:
             self._groups[rid] = params.n
+        if rejected:  # NOTE: refused on arrival: reported by the next step, like any finish
+            self._rejected.append(rid)
         return rid
 
     def has_request(self, request_id: str) -> bool:
@@ -315,6 +334,10 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that progressed or finished."""
+        if self._rejected and not self.scheduler.has_unfinished_requests():
+            outputs: list[RequestOutput] = []  # NOTE: nothing to run; report the refusals
+            self._report_finished_elsewhere([], outputs)
+            return outputs
         result = run_step(self.scheduler, self.executor)
         if result.error is not None and not self._logged_failure:
             logger.error("model step failed; failing the requests of that step",
@@ -336,7 +359,24 @@ class LLMEngine:
             except Exception as exc:  # e.g. detokenization: this request fails, not the step
                 logger.exception("engine error on request %s; failing it", req.request_id)
                 outputs.append(self._fail(t, req, f"engine error: {exc!r}"))
+        self._report_finished_elsewhere(result.scheduler_output.finished_request_ids, outputs)
         return outputs
+
+    def _report_finished_elsewhere(self, finished_ids: list[str],
+                                   outputs: list[RequestOutput]) -> None:
+        """Final outputs of requests the scheduler finished outside a step's results (a
+        policy's rejection of a waiting request, on arrival or in ``schedule()``).
+
+        NOTE: every finish is reported exactly once: requests the engine finishes itself
+        (aborts, stop strings, errors) and those in ``touched`` are forgotten when they are
+        reported, so only the rest are still tracked here. O(finished) per step."""
+        rejected, self._rejected = self._rejected, []
+        tracked = self._tracked
+        for rid in (*rejected, *finished_ids):
+            t = tracked.get(rid)
+            if t is not None and t.request.is_finished:
+                self._forget(t)
+                outputs.append(self._final(t, [], "", None))
 
     def _fail(self, tracked: _Tracked, req: Request, error: str) -> RequestOutput:
         """Finish one request with ``error`` (its blocks return to the pool at once)."""

@@ -71,7 +71,8 @@ class RequestOutput:
     """Output tokens so far, this step's included."""
     finished: bool
     finish_reason: str | None = None
-    """``stop``, ``length``, ``abort`` or ``error``."""
+    """``stop``, ``length``, ``abort``, ``error`` or ``rejected`` (refused by the scheduling
+    policy: an SLO it can no longer meet; ``error`` says why)."""
     error: str | None = None
     prompt: str | None = None
     """The prompt text, if it was given as text (final output only)."""
