@@ -37,3 +37,17 @@ def test_serve_prints_one_startup_line_before_serving(tiny_model: Path) -> None:
     assert line.endswith(f"; http://127.0.0.1:{port}")
     running = next(i for i, text in enumerate(lines) if "Uvicorn running on" in text)
     assert starts[0] < running
+
+
+def test_startup_line_names_a_scheduling_policy_other_than_fcfs() -> None:
+    from kvloop.cli.serve import policy_note
+    from kvloop.config import SchedulerConfig
+
+    assert policy_note(SchedulerConfig()) == ""
+    slo = SchedulerConfig(policy="slo", slo_ttft=0.5, slo_tpot=0.05, slo_overload="reject")
+    assert policy_note(slo) == ("scheduling policy slo (TTFT target 0.5 s, TPOT target "
+                                "0.05 s, overload reject, aging 60 s); ")
+    fair = SchedulerConfig(policy="fair", tenant_weights=(("a", 2.0),),
+                           cost_aware_preemption=False)
+    assert policy_note(fair) == ("scheduling policy fair (weights a=2, newest-first "
+                                 "preemption); ")

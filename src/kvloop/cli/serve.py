@@ -101,8 +101,8 @@ def _url_host(host: str) -> str:
 
 def startup_line(engine: Any, model: str, url: str) -> str:
     """The one line ``kvloop serve`` prints once the model is loaded: the model, device and
-    dtype, the KV blocks and their memory, the token budget and why, the context length and
-    the URL."""
+    dtype, the KV blocks and their memory, the token budget and why, the context length, the
+    scheduling policy unless it is ``fcfs`` (``policy_note``) and the URL."""
     runner = engine.executor
     cache = engine.scheduler.cache_config
     blocks, size = cache.num_gpu_blocks, cache.block_size
@@ -114,7 +114,30 @@ def startup_line(engine: Any, model: str, url: str) -> str:
     swap = f" + {cache.num_cpu_blocks} swap blocks" if cache.num_cpu_blocks else ""
     return (f"kvloop serve: model {model}{where}; KV cache {blocks} blocks x {size} tokens = "
             f"{blocks * size} tokens{memory}{swap}; token budget {engine.token_budget_note}; "
-            f"max_model_len {engine.limits.max_model_len}; {url}")
+            f"max_model_len {engine.limits.max_model_len}; "
+            f"{policy_note(engine.scheduler.config)}{url}")
+
+
+def policy_note(config: Any) -> str:
+    """``"scheduling policy slo (TTFT 0.5 s, ...); "`` for a ``SchedulerConfig`` whose
+    policy is not the default ``fcfs``, with the settings that shape it; empty for fcfs."""
+    policy = getattr(config, "policy", "fcfs")
+    if policy == "fcfs":
+        return ""
+    parts = []
+    if config.slo_ttft is not None:
+        parts.append(f"TTFT target {config.slo_ttft:g} s")
+    if config.slo_tpot is not None:
+        parts.append(f"TPOT target {config.slo_tpot:g} s")
+    if policy == "slo":
+        parts.append(f"overload {config.slo_overload}")
+    if policy in ("priority", "slo") and config.aging_s:
+        parts.append(f"aging {config.aging_s:g} s")
+    if policy == "fair" and config.tenant_weights:
+        parts.append("weights " + ",".join(f"{t}={w:g}" for t, w in config.tenant_weights))
+    if not config.cost_aware_preemption:
+        parts.append("newest-first preemption")
+    return f"scheduling policy {policy}" + (f" ({', '.join(parts)})" if parts else "") + "; "
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_SUCCESS_REASONS = frozenset({"stop", "length", "abort"})
+_SUCCESS_REASONS = frozenset({"stop", "length", "abort", "rejected"})
+"""Finish reasons counted by ``request_success`` (vLLM's: every finish but an error; kvloop
+adds ``rejected``, the scheduling policy's refusal); an error counts in
+``num_requests_failed``."""
 
 
 @dataclass
@@ -124,7 +127,7 @@ class ServerMetrics:
             return
         self._success.labels(self.model_name, reason).inc()
         m = out.metrics
-        if m is None or reason == "abort":
+        if m is None or reason in ("abort", "rejected"):  # NOTE: no latency of their own
             return
         if m.ttft is not None:
             self.ttft.observe(m.ttft)

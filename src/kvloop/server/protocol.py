@@ -5,7 +5,9 @@ unknown field or malformed JSON is a 400 naming it; ranges are checked when the 
 becomes ``SamplingParams``. Fields kvloop accepts but cannot honour yet (``n > 1``, ``echo``,
 ``best_of``, ``logit_bias``, tools) are declared so that the 400 says exactly that.
 Extras beyond OpenAI's fields follow vLLM: ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``, ``priority``, ``cache_salt``.
+``ignore_eos``, ``stop_token_ids``, ``priority``, ``cache_salt``; and kvloop's own for the
+scheduling policies: ``tenant`` (overrides ``user``, which names the tenant otherwise),
+``slo_ttft`` and ``slo_tpot`` (seconds).
 
 The JSON schemas (``/openapi.json``) state the ranges and restrictions that the server checks
 (``_doc``), so that clients and fuzzers know what is valid; validation itself is unchanged,
@@ -60,7 +62,8 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = _doc(maxProperties=0,
                                                description="Not supported (empty only).")
-    user: str | None = None
+    user: str | None = _doc(maxLength=256, description="Names the tenant (the `fair` "
+                            "scheduling policy shares service by it) unless `tenant` is given.")
     # vLLM's extras
     top_k: int | None = _doc(minimum=-1, description="0 or -1: all tokens.")
     min_p: float | None = _doc(minimum=0, maximum=1)
@@ -69,6 +72,12 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = _doc(items={"minimum": 0})
     priority: int = 0
     cache_salt: str | None = _doc(minLength=1)
+    # kvloop's scheduling extras (issue 13)
+    tenant: str | None = _doc(maxLength=256, description="The tenant, overriding `user`.")
+    slo_ttft: float | None = _doc(exclusiveMinimum=0, description="Time-to-first-token "
+                                  "target in seconds (default: the server's --slo-ttft).")
+    slo_tpot: float | None = _doc(exclusiveMinimum=0, description="Time-per-output-token "
+                                  "target in seconds (default: the server's --slo-tpot).")
 
 
 class CompletionRequest(_Sampling):

@@ -23,6 +23,7 @@ from kvloop.engine.intake import (
     EncodedPrompt,
     ValidatedRequest,
     check_prompt_chars,
+    check_tenant,
     default_max_tokens,
     encode_prompt,
     max_token_chars,
@@ -174,8 +175,12 @@ class OpenAIServing:
             enc = encode_prompt(prompt, self.limits, self.tokenizer,
                                 token_chars=self.token_chars)
             params = self._params(req, enc, max_tokens, mt_name, num_top)
+            # NOTE: the OpenAI ``user`` names the tenant; kvloop's ``tenant`` overrides it.
+            tenant = req.tenant if req.tenant is not None else check_tenant(req.user, "user")
             request = validate_request(enc, params, self.limits, tokenizer=self.tokenizer,
-                                       priority=req.priority, cache_salt=req.cache_salt)
+                                       priority=req.priority, cache_salt=req.cache_salt,
+                                       tenant=tenant, slo_ttft=req.slo_ttft,
+                                       slo_tpot=req.slo_tpot)
         except InvalidRequestError as exc:
             field = names.get(exc.field, exc.field) if exc.field is not None else None
             raise bad_request(exc.message, field) from None
@@ -241,6 +246,8 @@ class OpenAIServing:
                 i = out.index
                 if out.finished:
                     finals[i] = out
+                    if out.finish_reason == "rejected":
+                        break  # NOTE: refused before its sequences forked: no more outputs
                 if job.num_top is not None and out.new_logprobs:
                     token_ids[i].extend(out.new_token_ids)
                     entries[i].extend(out.new_logprobs)
@@ -250,10 +257,11 @@ class OpenAIServing:
             raise bad_request(str(exc)) from None
         finally:
             stream.abort()  # NOTE: a no-op once finished; aborts on cancellation (disconnect)
-        assert all(f is not None for f in finals), "the stream ended before every sequence"
         for f in finals:
-            if f.finish_reason == "error":
-                raise APIError(500, f.error or "the model step failed")
+            if f is not None and f.finish_reason in _FAILED:
+                status, default = _FAILED[f.finish_reason]
+                raise APIError(status, f.error or default)
+        assert all(f is not None for f in finals), "the stream ended before every sequence"
         choices = []
         for i, f in enumerate(finals):
             lp = None
@@ -284,8 +292,9 @@ class OpenAIServing:
                 i = out.index
                 outs[i] = out.num_output_tokens
                 n_out = sum(outs)
-                if out.finish_reason == "error":
-                    yield fmt.sse(error_body(500, out.error or "the model step failed"))
+                if out.finish_reason in _FAILED:
+                    status, default = _FAILED[out.finish_reason]
+                    yield fmt.sse(error_body(status, out.error or default))
                     break
                 reason = out.finish_reason if out.finished else None
                 if not out.new_token_ids and reason is None:
@@ -323,6 +332,15 @@ class OpenAIServing:
         finally:
             stream.abort()  # NOTE: a no-op once finished; aborts when the client went away
         yield fmt.sse("[DONE]")
+
+
+_FAILED = {
+    "error": (500, "the model step failed"),
+    "rejected": (429, "the scheduling policy rejected the request (it cannot meet its SLO)"),
+}
+"""Finish reasons answered with an error instead of a response: HTTP status and the message
+when the output has none. A rejected request (policy ``slo``, ``--slo-overload reject``) is
+a 429, so clients back off and retry as from a full queue."""
 
 
 def _or(value: Any, default: Any) -> Any:
