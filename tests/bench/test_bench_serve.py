@@ -166,3 +166,20 @@ def test_progress_moves_before_the_first_request_finishes(
               if (m := re.search(r"\| (\d+)/\d+ .*done (\d+)", f))]
     assert any(tokens > 0 and done == 0 for tokens, done in counts), frames[:8]
     assert counts[-1] == (3 * OUTPUT_LEN, 3)
+
+
+def test_tenant_mix_names_the_user_and_reports_per_tenant(live: LiveServer, tiny: Path) -> None:
+    report = run_bench(_config(live, tiny, tenant_mix="0.5,0.5"))
+    _check_consistent(report, 6)
+    tenants = {row["tenant"] for row in report["requests"]}
+    assert tenants <= {"t0", "t1"} and tenants
+    summary = report["summary"]
+    assert set(summary["tenants"]) == tenants
+    assert sum(row["requests"] for row in summary["tenants"].values()) == 6
+    # Jain's index counts service while requests still arrive (None if none was served then)
+    assert summary["jain_index"] is None or 0 < summary["jain_index"] <= 1
+    from kvloop.bench.serve import _payload
+
+    assert _payload(ServeBenchConfig(), "m", "hi", 3, "t1")["user"] == "t1"
+    with pytest.raises(ValueError, match="tenant mix"):
+        ServeBenchConfig(tenant_mix="0.5,x").check()

@@ -54,6 +54,8 @@ class RequestRecord:
     error: str | None = None
     first_scheduled_time: float | None = None
     """Unknown to a client; always None (no queue-time metric)."""
+    tenant: str = ""
+    """Sent as the OpenAI ``user`` field (``--tenant-mix``)."""
 
     @property
     def output_token_ids(self) -> range:
@@ -78,6 +80,7 @@ class RequestRecord:
             "arrival_offset": self.scheduled_time,
             "send_offset": self.arrival_time,
             "status": self.status,
+            "tenant": self.tenant,
             "ttft": ttft,
             "tpot": tpot,
             "e2e": e2e,

@@ -22,7 +22,7 @@ from kvloop.bench.progress import BenchProgress
 from kvloop.bench.prompts import PromptBuilder, load_tokenizer
 from kvloop.sim.metrics import format_table, summarize_requests
 from kvloop.sim.traces import WorkloadRequest, load_trace
-from kvloop.sim.workloads import synthetic_workload
+from kvloop.sim.workloads import apply_tenant_mix, parse_tenant_mix, synthetic_workload
 
 __all__ = ["ServeBenchConfig", "build_workload", "format_report", "run_bench", "run_bench_async"]
 
@@ -67,6 +67,9 @@ class ServeBenchConfig:
     temperature: float = 0.0
     tokenizer: str | None = None
     tokenizer_model: str = "default"
+    tenant_mix: str | None = None
+    """Shares of tenants ``t0, t1, ...`` (``"0.6,0.05,..."``): each request names its tenant
+    in the OpenAI ``user`` field, and the report gains per-tenant rows and Jain's index."""
     goodput: dict[str, float] = field(default_factory=dict)
     """SLOs in seconds by metric name: ``ttft``, ``tpot``."""
     timeout: float = 600.0
@@ -98,6 +101,8 @@ class ServeBenchConfig:
         for name in ("max_input_len", "max_output_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.tenant_mix is not None:
+            parse_tenant_mix(self.tenant_mix)  # NOTE: raises ValueError naming the mix
         unknown = set(self.goodput) - {"ttft", "tpot"}
         if unknown:
             raise ValueError(f"--goodput takes ttft:MS and tpot:MS, not {sorted(unknown)}")
@@ -129,11 +134,17 @@ def build_workload(cfg: ServeBenchConfig) -> list[WorkloadRequest]:
             req.prompt_token_ids = req.prompt_token_ids[: cfg.max_input_len]
         if cfg.max_output_len is not None:
             req.output_len = min(req.output_len, cfg.max_output_len)
+    if cfg.tenant_mix is not None:
+        apply_tenant_mix(reqs, parse_tenant_mix(cfg.tenant_mix), seed=cfg.seed)
     return reqs
 
 
-def _payload(cfg: ServeBenchConfig, model: str, text: str, output_len: int) -> dict[str, Any]:
+def _payload(
+    cfg: ServeBenchConfig, model: str, text: str, output_len: int, tenant: str = ""
+) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model}
+    if tenant:
+        body["user"] = tenant
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -167,7 +178,8 @@ async def run_bench_async(cfg: ServeBenchConfig, tokenizer: Any = None) -> dict[
         tok = tokenizer or load_tokenizer(cfg.tokenizer, cfg.tokenizer_model)
         builder = PromptBuilder(tok, cfg.seed)
         texts = [builder.text_for(r.prompt_token_ids) for r in workload]
-        records = [RequestRecord(r.request_id, r.arrival_time, builder.count(t), r.output_len)
+        records = [RequestRecord(r.request_id, r.arrival_time, builder.count(t), r.output_len,
+                                 tenant=r.tenant)
                    for r, t in zip(workload, texts, strict=True)]
         url = base + ENDPOINTS[cfg.endpoint]
         sem = asyncio.Semaphore(slots)
@@ -177,7 +189,7 @@ async def run_bench_async(cfg: ServeBenchConfig, tokenizer: Any = None) -> dict[
         async def one(i: int) -> None:
             record = records[i]
             async with sem:
-                body = _payload(cfg, model, texts[i], workload[i].output_len)
+                body = _payload(cfg, model, texts[i], workload[i].output_len, workload[i].tenant)
                 bar.on_sent()
                 await send(client, url, body, headers, record, start, bar.on_token)
             failed = record.status == "FINISHED_ERROR"

@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="replay a shipped trace's arrivals and lengths instead of --dataset")
     w.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply the trace's arrival rate (default: %(default)g)")
+    w.add_argument("--tenant-mix", default=None, metavar="SHARES",
+                   help="tenants t0, t1, ... with these shares, e.g. 0.6,0.1,0.1,0.1,0.1: "
+                   "sent as the OpenAI 'user' field; the report gains per-tenant rows")
     w.add_argument("--seed", type=int, default=0,
                    help="seed of arrivals, lengths and prompts (default: %(default)s)")
     d = p.add_argument_group("prompts")
@@ -120,7 +123,7 @@ def config_from(args: argparse.Namespace) -> ServeBenchConfig:
         extra_fields=not args.no_extra_fields, min_tokens=args.min_tokens,
         temperature=args.temperature,
         tokenizer=args.tokenizer, tokenizer_model=args.tokenizer_model,
-        goodput=parse_goodput(args.goodput), timeout=args.timeout,
+        tenant_mix=args.tenant_mix, goodput=parse_goodput(args.goodput), timeout=args.timeout,
         progress=not args.no_progress,
     )
 
