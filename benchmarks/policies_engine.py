@@ -1,0 +1,179 @@
+"""Scheduling policies on the real engine: ``kvloop serve --model default`` under each policy,
+driven by ``kvloop bench serve`` with the same seeded overload.
+
+The simulator comparison (``benchmarks/policies.py``) covers real traces at GPU scale; this is
+its small real-engine counterpart on this machine: a few dozen requests with random lengths,
+Poisson arrivals above what the CPU serves, one heavy tenant sending 60% of them and four
+light ones 10% each (the OpenAI ``user`` field). Each policy gets a fresh server (same
+flags otherwise); one run after the other, so every figure comes from the same machine
+state as its neighbours. Reported per policy: goodput (requests meeting both SLOs per
+second), TTFT and TPOT p50/p99, failed/rejected requests, Jain's index over tenants'
+service while requests arrive, the heavy tenant's share of it, and the server's
+preemptions and recomputed tokens (``/metrics``).
+
+    python benchmarks/policies_engine.py [--num-prompts 40] [--rate 1.5] [--slo-ttft 4]
+        [--slo-tpot 0.3] [--policies fcfs,prefill-first,slo,slo-reject,fair,fcfs-newest]
+        [--num-gpu-blocks 96] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvloop.bench import ServeBenchConfig, run_bench
+
+CONFIGS: dict[str, list[str]] = {
+    "fcfs": ["--scheduling-policy", "fcfs"],
+    "fcfs-newest": ["--scheduling-policy", "fcfs", "--no-cost-aware-preemption"],
+    "prefill-first": ["--scheduling-policy", "fcfs", "--scheduling-order", "prefill-first"],
+    "slo": ["--scheduling-policy", "slo"],
+    "slo-reject": ["--scheduling-policy", "slo", "--slo-overload", "reject"],
+    "fair": ["--scheduling-policy", "fair"],
+}
+"""Policy label -> ``kvloop serve`` flags (SLO targets and the KV pool are added to all)."""
+TENANT_MIX = "0.6,0.1,0.1,0.1,0.1"
+
+
+def _cpu() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores, {isa}"
+    return platform.processor() or "unknown CPU"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(flags: list[str], port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvloop", "serve", "--model", "default", "--port", str(port),
+           *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvloop serve exited: {proc.stderr.read()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("kvloop serve did not become healthy in 180 s")
+
+
+def _counter(metrics: str, name: str) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            m = re.search(r"\s([0-9.eE+-]+)$", line)
+            if m:
+                total += float(m.group(1))
+    return total
+
+
+def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
+    port = _port()
+    flags = [*CONFIGS[label], "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
+             "--num-gpu-blocks", str(args.num_gpu_blocks)]
+    proc = _serve(flags, port)
+    try:
+        cfg = ServeBenchConfig(
+            base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
+            request_rate=args.rate, random_input_len=args.input_len,
+            random_output_len=args.output_len, random_range_ratio=0.5, ignore_eos=True,
+            tenant_mix=TENANT_MIX, seed=args.seed, progress=False,
+            goodput={"ttft": args.slo_ttft, "tpot": args.slo_tpot})
+        report = run_bench(cfg)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+    s = report["summary"]
+    tenants = s.get("tenants") or {}
+    served = sum(t["service_tokens"] for t in tenants.values()) or 1
+    light = [t["service_tokens"] for n, t in tenants.items() if n != "t0"]
+    light_jain = (sum(light) ** 2 / (len(light) * sum(x * x for x in light))
+                  if light and any(light) else None)
+    return {
+        "policy": label, "completed": s["completed"], "failed": s.get("failed", 0),
+        "errors": report["errors"], "goodput": s["goodput"],
+        "request_throughput": s["request_throughput"],
+        "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"],
+        "tpot_p50": s["tpot"]["p50"], "tpot_p99": s["tpot"]["p99"],
+        "jain_index": s.get("jain_index"), "jain_light": light_jain,
+        "heavy_share": tenants.get("t0", {}).get("service_tokens", 0) / served,
+        "preemptions": _counter(metrics, "kvloop:num_preemptions_total"),
+        "recomputed_tokens": _counter(metrics, "kvloop:recomputed_tokens_total"),
+    }
+
+
+def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--rate", type=float, default=1.5, help="req/s (Poisson)")
+    p.add_argument("--input-len", type=int, default=160)
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--slo-ttft", type=float, default=4.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.3, help="seconds")
+    p.add_argument("--num-gpu-blocks", type=int, default=96,
+                   help="a KV pool small enough to preempt (default: %(default)s)")
+    p.add_argument("--policies", default=",".join(CONFIGS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    labels = [x for x in args.policies.split(",") if x]
+    unknown = set(labels) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+    print(f"# {_cpu()}; {args.num_prompts} requests at {args.rate} req/s, tenants {TENANT_MIX},"
+          f" SLO TTFT {args.slo_ttft} s / TPOT {args.slo_tpot} s, {args.num_gpu_blocks} KV "
+          "blocks", flush=True)
+    rows = []
+    for label in labels:
+        started = time.perf_counter()
+        rows.append(run_one(label, args))
+        print(f"  {label}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    head = ("| policy | goodput req/s | done | failed | TTFT p50/p99 s | TPOT p50/p99 ms | "
+            "Jain (all / light) | heavy share | preempt | recomputed |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        print(f"| {r['policy']} | {_fmt(r['goodput'], digits=3)} | {r['completed']} | "
+              f"{r['failed']} | {_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])} | "
+              f"{_fmt(r['tpot_p50'], 1000, 0)} / {_fmt(r['tpot_p99'], 1000, 0)} | "
+              f"{_fmt(r['jain_index'])} / {_fmt(r['jain_light'])} | "
+              f"{_fmt(r['heavy_share'])} | {r['preemptions']:.0f} | "
+              f"{r['recomputed_tokens']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": _cpu(), "args": vars(args), "rows": rows},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
