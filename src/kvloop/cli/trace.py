@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     plot = tsub.add_parser("plot", help="draw the step timeline as a PNG",
                            description="One row per request, one column per step, with "
-                           "panels for tokens, KV blocks, queues and step time.")
+                           "panels for tokens, KV blocks, queues and step time. Rows name "
+                           "the tenant and priority a request arrived with; a request that "
+                           "missed its TTFT target is marked at its deadline.")
     plot.add_argument("trace", metavar="TRACE.jsonl")
     plot.add_argument("-o", "--output", default="timeline.png", metavar="PNG")
     plot.add_argument("--steps", default=None, metavar="A:B",
@@ -41,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="where to write the Chrome trace-event JSON")
     export.set_defaults(func=run_export)
 
-    summary = tsub.add_parser("summary", help="the kvloop simulate metrics table of a trace")
+    summary = tsub.add_parser("summary", help="the kvloop simulate metrics table of a trace",
+                              description="The kvloop simulate metrics table of a trace, "
+                              "with a row per tenant when the trace recorded tenants.")
     summary.add_argument("trace", metavar="TRACE.jsonl")
     summary.add_argument("--json", default=None, metavar="PATH", help="write the metrics")
     summary.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
@@ -73,11 +77,18 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def rows_legend(grid) -> str:
-    """Tab-separated row number, full request id and arrival (seconds since the first)."""
-    lines = ["row\trequest_id\tarrival_s"]
-    for n, rid, arrival in zip(grid.numbers, grid.request_ids, grid.arrivals, strict=True):
+    """Tab-separated row number, full request id and arrival (seconds since the first);
+    plus the full tenant and the priority when the trace recorded any."""
+    extra = any(grid.suffixes())
+    lines = ["row\trequest_id\tarrival_s" + ("\ttenant\tpriority" if extra else "")]
+    infos = grid.infos or [None] * len(grid.request_ids)
+    for n, rid, arrival, info in zip(grid.numbers, grid.request_ids, grid.arrivals, infos,
+                                     strict=True):
         when = "" if arrival is None else f"{arrival - grid.t0:.3f}"
-        lines.append(f"{n}\t{rid}\t{when}")
+        line = f"{n}\t{rid}\t{when}"
+        if extra and info is not None:
+            line += f"\t{info.tenant}\t{info.priority}"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -96,7 +107,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_summary(args: argparse.Namespace) -> int:
     records = load_records(args.trace)
     m = summarize_trace(records, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
-    n = m["completed"] + m["aborted"] + m["failed"] + m["unfinished"]
+    n = sum(m.get(k, 0) for k in ("completed", "aborted", "failed", "rejected", "unfinished"))
     print(f"kvloop trace summary: {n} requests over {len(records)} steps from {args.trace}")
     print(format_table(m, scheduler_rows(m["scheduler"])))
     note = load_note(m["load"])

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvloop.core.stats import StepRecord
 from kvloop.viz.chrome import trace_origin
+from kvloop.viz.slo import RowInfo, row_infos, row_suffix
 
 __all__ = [
     "LEGEND",
@@ -151,6 +152,8 @@ class TimelineGrid:
     t0: float = 0.0
     """The trace's first arrival (or first step start, if earlier) on the record clock:
     time zero of the picture."""
+    infos: list[RowInfo] = field(default_factory=list)
+    """Each row's tenant, priority and TTFT deadline (``viz.slo``); empty: none known."""
 
     @property
     def steps(self) -> list[int]:
@@ -166,16 +169,28 @@ class TimelineGrid:
         ids are long, the row number and a short id (:func:`short_ids`; ``kvloop trace plot``
         writes the full ids by number)."""
         short = short_ids(self.request_ids)
-        if not self.ids_cut:
+        if self.ids_cut:
+            width = len(str(max(self.numbers, default=0)))
+            short = [f"{n:>{width}} {s}" for n, s in zip(self.numbers, short, strict=True)]
+        suffixes = self.suffixes()
+        if not any(suffixes):
             return short
-        width = len(str(max(self.numbers, default=0)))
-        return [f"{n:>{width}} {s}" for n, s in zip(self.numbers, short, strict=True)]
+        # NOTE: ids padded to one width, so the tenants line up in a column.
+        width = max(map(len, short), default=0)
+        return [f"{s:<{width}} {x}".rstrip() for s, x in zip(short, suffixes, strict=True)]
+
+    def suffixes(self) -> list[str]:
+        """Each row's tenant and non-zero priority (``viz.slo.row_suffix``)."""
+        return [row_suffix(i) for i in self.infos] if self.infos else [""] * len(self.request_ids)
 
     def label_title(self) -> str:
         """The y axis title: what the row labels are."""
         prefix = id_prefix(self.request_ids)
         what = "request (row, id" if self.ids_cut else "request (id"
-        return what + (f" after {prefix!r})" if prefix else ")")
+        what += f" after {prefix!r}" if prefix else ""
+        if any(self.suffixes()):
+            what += "; tenant, p = priority"
+        return what + ")"
 
 
 def _lifespans(records: list[StepRecord]) -> dict[str, tuple[int, int]]:
@@ -310,4 +325,4 @@ def build_grid(records: list[StepRecord], window: Window) -> TimelineGrid:
     t0 = trace_origin(records)
     numbers = window.numbers or list(range(1, len(ids) + 1))
     return TimelineGrid(ids, records[lo:hi], cells, tokens, len(records), window.total_requests,
-                        numbers, arrivals, t0)
+                        numbers, arrivals, t0, row_infos(records, ids))

@@ -29,6 +29,7 @@ _STATUS_BY_REASON = {
     "length": "FINISHED_LENGTH",
     "abort": "FINISHED_ABORTED",
     "error": "FINISHED_ERROR",
+    "rejected": "FINISHED_REJECTED",
 }
 
 
@@ -81,6 +82,12 @@ class TraceRequest:
     finish_reason: str | None = None
     seen_arrival: bool = True
     """False when the trace never recorded its arrival (arrival = first step that saw it)."""
+    tenant: str = ""
+    """Who sent it (``StepRecord.arrived_info``; empty: none recorded)."""
+    priority: int = 0
+    slo_ttft: float | None = None
+    """Its TTFT target in seconds as the scheduler saw it (its own, or the default)."""
+    slo_tpot: float | None = None
 
     @property
     def output_token_ids(self) -> range:
@@ -110,8 +117,11 @@ def reconstruct_requests(records: list[StepRecord]) -> dict[str, TraceRequest]:
         return r
 
     for rec in records:
+        info = rec.arrived_info
         for rid, arrival, n_prompt in rec.arrived:
-            reqs[rid] = TraceRequest(rid, float(arrival), int(n_prompt))
+            r = reqs[rid] = TraceRequest(rid, float(arrival), int(n_prompt))
+            if info and rid in info:
+                _apply_info(r, info[rid])
         for rid, mode in rec.preempted:
             r = get(rid, rec)
             r.num_preemptions += 1
@@ -142,6 +152,15 @@ def reconstruct_requests(records: list[StepRecord]) -> dict[str, TraceRequest]:
             r.finish_reason = reason
             r.status = _STATUS_BY_REASON.get(reason, "FINISHED_ERROR")
     return reqs
+
+
+def _apply_info(r: TraceRequest, info: dict[str, Any]) -> None:
+    """Tenant, priority and SLO targets of an arrival (``StepRecord.arrived_info``)."""
+    r.tenant = str(info.get("tenant", "") or "")
+    r.priority = int(info.get("priority", 0) or 0)
+    for name in ("slo_ttft", "slo_tpot"):
+        value = info.get(name)
+        setattr(r, name, float(value) if value else None)
 
 
 def scheduler_totals(
@@ -188,7 +207,11 @@ def summarize_trace(
 ) -> dict[str, Any]:
     """``summarize_requests`` over the rebuilt requests, plus ``scheduler`` totals, ``load``
     (``kvloop.sim.load.load_summary``; busy time = the steps' spans) and
-    ``requests_without_arrival`` (requests the trace saw but whose arrival it missed)."""
+    ``requests_without_arrival`` (requests the trace saw but whose arrival it missed).
+
+    When the trace recorded tenants (``StepRecord.arrived_info``), ``tenants`` has a row per
+    tenant (requests, tokens served, goodput, mean/p99 TTFT); a request's recorded SLO
+    targets (its own or the scheduler's default) win over ``slo_ttft``/``slo_tpot``."""
     reqs = reconstruct_requests(records)
     summary = summarize_requests(reqs.values(), slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     summary["scheduler"] = scheduler_totals(records, reqs)

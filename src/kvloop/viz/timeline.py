@@ -8,17 +8,21 @@ The x axis is time by default: seconds since the trace's first arrival, each ste
 as it took (a 20 s step twenty times as wide as a 1 s one), gaps between steps drawn with
 the state each request carried through them, and a request that arrived in the middle of
 a step shown waiting from its arrival on. ``x_axis="step"`` gives every step one column.
-Rows are labelled with a row number (order of first sight in the trace) and a short id.
+Rows are labelled with a row number (order of first sight in the trace) and a short id,
+then the tenant and priority the request arrived with (when the trace recorded them). A
+request that missed its TTFT target gets a marker at its deadline (arrival + target).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -26,7 +30,8 @@ from kvloop.core.stats import StepRecord
 from kvloop.viz.grid import LEGEND, Cell, TimelineGrid
 
 __all__ = [
-    "DPI", "FIGSIZE", "X_AXES", "TimelineGeometry", "default_title", "plot_timeline",
+    "DPI", "FIGSIZE", "MISSED_TTFT", "X_AXES", "TimelineGeometry", "default_title",
+    "plot_timeline",
 ]
 
 FIGSIZE = (16.0, 11.0)
@@ -37,6 +42,8 @@ X_AXES = ("time", "step")
 _MAX_LABELS = 50
 """Most row labels written on the y axis (every k-th row beyond that)."""
 _MARGIN = {"right": 0.98, "top": 0.93, "bottom": 0.05}
+MISSED_TTFT = ("missed TTFT (at deadline)", "#e7298a")
+"""Legend label and colour of the marker at a late request's TTFT deadline."""
 _MIN_GAP = 1e-3
 """Gaps between steps shorter than this share of the window are drawn as part of the step
 before (they would be under a pixel wide)."""
@@ -69,6 +76,8 @@ class TimelineGeometry:
     """Data x at the box's left and right edges (seconds or step columns)."""
     col_edges: tuple[tuple[float, float], ...] = ()
     """Data x where each step's column starts and ends."""
+    ttft_marks: tuple[tuple[int, float], ...] = ()
+    """(row, data x) of each missed-TTFT marker drawn (``MISSED_TTFT``)."""
 
     def x_px(self, x: float) -> float:
         """Pixel x of data x."""
@@ -183,6 +192,38 @@ def _draw_grid(ax, grid: TimelineGrid, cols: _Columns, geom: TimelineGeometry,
         ax.text(x, r, text, ha="center", va="center", fontsize=size, color="white")
 
 
+def _ttft_marks(grid: TimelineGrid, cols: _Columns, x_axis: str) -> list[tuple[int, float]]:
+    """(row, x) of the TTFT deadline of each request that missed it, where the deadline
+    falls inside the window. On the step axis a deadline sits in the step that ran at that
+    time, as far into its column as into the step (between steps: at the column edge)."""
+    recs = grid.records
+    if x_axis == "time":
+        def to_x(t: float) -> float:
+            return t - grid.t0
+    else:
+        times = np.ravel([(r.time_s, max(r.end_time_s, r.time_s)) for r in recs])
+        edges = np.ravel([(c - 0.5, c + 0.5) for c in range(len(recs))])
+
+        def to_x(t: float) -> float:
+            return float(np.interp(t, times, edges))
+    lo, hi = recs[0].time_s, recs[-1].end_time_s
+    marks = []
+    for r, info in enumerate(grid.infos):
+        t = info.ttft_deadline
+        if info.missed_ttft and t is not None and lo <= t <= hi:
+            x = to_x(t)
+            if cols.x_min <= x <= cols.x_max:
+                marks.append((r, x))
+    return marks
+
+
+def _draw_ttft_marks(ax, marks: list[tuple[int, float]], rows: int) -> None:
+    size = max(3.0, min(9.0, 600.0 / max(rows, 1)))
+    ax.plot([x for _, x in marks], [r for r, _ in marks], linestyle="none", marker="v",
+            markersize=size, markerfacecolor=MISSED_TTFT[1], markeredgecolor="black",
+            markeredgewidth=0.6, zorder=5)
+
+
 def _panel_values(grid: TimelineGrid, cols: _Columns) -> dict[str, np.ndarray]:
     """Per drawn column: each step's values; in a gap, no tokens and no step time (0), and
     the KV blocks and queues of the step before."""
@@ -282,6 +323,10 @@ def plot_timeline(grid: TimelineGrid, path: str, *, title: str | None = None,
                         for j in cols.step_col),
     )
     _draw_grid(axes[0], grid, cols, geom, fontsize)
+    marks = _ttft_marks(grid, cols, x_axis) if grid.infos else []
+    if marks:
+        _draw_ttft_marks(axes[0], marks, rows)
+        geom = replace(geom, ttft_marks=tuple(marks))
     _draw_panels(axes[1:], cols, _panel_values(grid, cols))
     axes[-1].set_xlim(cols.x_min, cols.x_max)
     steps = grid.steps
@@ -294,8 +339,12 @@ def plot_timeline(grid: TimelineGrid, path: str, *, title: str | None = None,
         axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=20))
         axes[-1].set_xlabel("seconds since the first arrival")
     fig.suptitle(title or default_title(grid), fontsize=11, y=0.995)
-    handles = [Patch(facecolor=color, edgecolor="#888888", label=label)
-               for label, color in LEGEND.values()]
+    handles: list[Artist] = [Patch(facecolor=color, edgecolor="#888888", label=label)
+                             for label, color in LEGEND.values()]
+    if marks:
+        handles.append(Line2D([], [], linestyle="none", marker="v", markersize=7,
+                              markerfacecolor=MISSED_TTFT[1], markeredgecolor="black",
+                              label=MISSED_TTFT[0]))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8,
                bbox_to_anchor=(0.54, 0.972), frameon=False)
     fig.savefig(path, dpi=DPI)
