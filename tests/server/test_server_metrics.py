@@ -19,6 +19,7 @@ NAMES = [
     "kvloop:num_requests_swapped",
     "kvloop:kv_cache_usage_perc",
     "kvloop:num_preemptions",
+    "kvloop:recomputed_tokens",
     "kvloop:prompt_tokens",
     "kvloop:generation_tokens",
     "kvloop:request_success",
@@ -103,3 +104,17 @@ def test_stats_logger_task_logs_periodically(caplog) -> None:
         asyncio.run(run())
     lines = [r.message for r in caplog.records if "generation throughput" in r.message]
     assert len(lines) >= 1 and "Running: 2 reqs" in lines[0]
+
+
+def test_preemption_counters_follow_the_scheduler() -> None:
+    from kvloop.core.stats import SchedulerStats
+    from kvloop.engine.stats import EngineStats
+
+    m = ServerMetrics("m")
+    for preempted, recomputed in ((0, 0), (2, 300), (3, 420)):
+        st = SchedulerStats(num_preemptions=preempted, num_recomputed_tokens=recomputed)
+        m.observe_stats(EngineStats(0, 0, 0, 0, 0.0, st))
+    values = {s.name: s.value for f in text_string_to_metric_families(m.render().decode())
+              for s in f.samples}
+    assert values["kvloop:num_preemptions_total"] == 3
+    assert values["kvloop:recomputed_tokens_total"] == 420

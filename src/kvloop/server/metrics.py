@@ -40,6 +40,7 @@ class Totals:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    recomputed_tokens: int = 0
     running: int = 0
     waiting: int = 0
     swapped: int = 0
@@ -72,6 +73,8 @@ class ServerMetrics:
         self.swapped = gauge("num_requests_swapped", "Requests swapped out to the CPU tier.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (1 means 100 percent).")
         self.preemptions = counter("num_preemptions", "Cumulative preemptions.")
+        self.recomputed_tokens = counter("recomputed_tokens", "Tokens computed again after "
+                                         "recompute preemptions (the recompute spikes).")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens of requests (at their "
                                      "first output token).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -151,6 +154,9 @@ class ServerMetrics:
         if st.num_preemptions > t.num_preemptions:
             self.preemptions.inc(st.num_preemptions - t.num_preemptions)
             t.num_preemptions = st.num_preemptions
+        if st.num_recomputed_tokens > t.recomputed_tokens:
+            self.recomputed_tokens.inc(st.num_recomputed_tokens - t.recomputed_tokens)
+            t.recomputed_tokens = st.num_recomputed_tokens
         if st.prefix_cache_queries > t.prefix_queries:
             self.prefix_queries.inc(st.prefix_cache_queries - t.prefix_queries)
             t.prefix_queries = st.prefix_cache_queries
