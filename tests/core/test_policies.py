@@ -291,3 +291,38 @@ def test_cost_aware_swap_recomputes_a_victim_with_one_block_of_work():
         step(s)
         modes += [m for _, m in s.recorder.records[-1].preempted]
     assert "recompute" in modes
+
+
+_slo_stream = st.lists(
+    st.tuples(st.sampled_from([None, 0.5, 2.0, 8.0]), st.integers(1, 6), st.integers(1, 4)),
+    min_size=2, max_size=14)
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=_slo_stream, aging=st.sampled_from([1.0, 3.0]))
+def test_slo_starvation_bound(items, aging):
+    """Under slo (defer), a request due at D starts by D + aging_s plus the service of the
+    requests that arrived up to then (one at a time, a step per time unit): none starves,
+    however many tighter requests keep arriving."""
+    clock = FakeClock()
+    s = make_scheduler(clock=clock, policy="slo", slo_ttft=4.0, aging_s=aging, max_num_seqs=1,
+                       max_num_batched_tokens=64)
+    ex = FakeExecutor(step_time=1.0)
+    made, pending = [], list(enumerate(items))
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= clock.now:
+            i, (ttft, plen, out) = pending.pop(0)
+            r = req(f"r{i}", plen, out, arrival=clock.now, slo_ttft=ttft)
+            s.add_request(r)
+            made.append(r)
+        if s.has_unfinished_requests():
+            step(s, ex, clock)
+        else:
+            clock.now += 1.0
+        assert clock.now < 1000
+    for a in made:
+        due = a.arrival_time + (a.slo_ttft or 4.0)
+        horizon = due + aging
+        ahead = [b for b in made if b is not a and b.arrival_time <= horizon]
+        bound = horizon + sum(b.max_tokens for b in ahead)
+        assert a.first_scheduled_time <= bound + 1e-9, (a, bound)

@@ -10,8 +10,9 @@ observed (``StepTimes``) and gives it a *latest start*: ``arrival + TTFT - prefi
   ``slo_overload="defer"`` it waits behind every request that still can; under
   ``"reject"`` it is finished as ``rejected`` when it reaches the head of the queue.
 - NOTE: the starvation bound: a deferred request is served ahead of on-time work once it
-  is ``aging_s`` past its deadline, and on-time work is ordered by fixed deadlines, so with
-  bounded arrivals every request is admitted.
+  is ``aging_s`` past its deadline ``D``, and late requests go by deadline, so from
+  ``D + aging_s`` on only requests due no later than ``D`` (arrived before it) are admitted
+  before it: it starts by ``D + aging_s`` plus their service (one at a time).
 - Each step's token budget is capped at what keeps the step within the tightest TPOT
   target among the running requests that decode (never below one token per running
   request plus a small prefill share, so prompts still progress).
@@ -35,13 +36,17 @@ MIN_PREFILL_SHARE = 32
 
 
 class DeadlineQueue(WaitingQueue):
-    """On-time requests by latest start; late ones (deferred) by latest start behind them,
-    unless the oldest late one is ``aging_s`` past its deadline."""
+    """On-time requests by latest start; late ones (deferred) behind them by deadline,
+    unless the first of those is ``aging_s`` past its deadline.
+
+    NOTE: the late lane is ordered by deadline, not latest start: a request that is late
+    on arrival (a tiny target) then cannot jump ahead of one that is already overdue and
+    hold it back while on-time work keeps coming."""
 
     def __init__(self, policy: SLOPolicy) -> None:
         self._policy = policy
         self._on_time = KeyedQueue(policy.key)
-        self._late = KeyedQueue(policy.key)
+        self._late = KeyedQueue(lambda r: (policy.deadline(r), r.arrival_order))
         self._defer = policy.config.slo_overload == "defer"
 
     def add(self, request: Request) -> None:
