@@ -110,6 +110,10 @@ def _blocks(tokens: int) -> int:
     return -(-tokens // BLOCK_SIZE)
 
 
+POLICY: dict[str, object] = {}
+"""Policy fields for every scheduler (``--policy``; empty: fcfs)."""
+
+
 def _make_scheduler(
     n_seqs: int, num_gpu_blocks: int, prefix: bool, record: bool, chunk: int, max_len: int
 ) -> Scheduler:
@@ -120,6 +124,7 @@ def _make_scheduler(
             max_model_len=max_len,
             enable_chunked_prefill=True,
             long_prefill_token_threshold=chunk,
+            **POLICY,  # type: ignore[arg-type]
         ),
         CacheConfig(
             block_size=BLOCK_SIZE,
@@ -316,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record", action="store_true", help="attach an in-memory StepRecorder")
     p.add_argument("--profile", action="store_true", help="cProfile one decode N=1024 run")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "slo", "fair"],
+                   help="scheduling policy (slo: TTFT 10 s, TPOT 1 s targets)")
     args = p.parse_args(argv)
+    POLICY.update(policy=args.policy)
+    if args.policy == "slo":
+        POLICY.update(slo_ttft=10.0, slo_tpot=1.0)
     steps = args.steps or (20 if args.quick else 200)
     repeats = args.repeats or (3 if args.quick else 5)
 
@@ -324,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         f"kvloop scheduler overhead: K={steps} steps x {repeats} repeats, "
         f"block_size {BLOCK_SIZE}, max_num_batched_tokens {MAX_BATCHED_TOKENS}, "
         f"max_num_seqs N+{SEQ_MARGIN}, recorder {'on' if args.record else 'off'}, "
+        f"policy {args.policy}, "
         f"Python {platform.python_version()}"
     )
     print(
