@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -240,3 +241,51 @@ def test_max_tokens_check_imports_no_torch(tmp_path: Path) -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def _help_of(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The help text ``--help`` prints for ``action`` (as formatted, defaults expanded)."""
+    formatter = parser._get_formatter()
+    section = formatter._format_action(action)
+    return " ".join(section.split())
+
+
+def test_every_option_shows_its_default() -> None:
+    checked = 0
+    for prog, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            switch = action.nargs == 0 and not isinstance(action,
+                                                          argparse.BooleanOptionalAction)
+            if switch or action.required or not action.option_strings:
+                continue
+            text = _help_of(parser, action)
+            assert "default" in text, f"{prog} {action.option_strings[0]}: {text}"
+            assert "None" not in text, f"{prog} {action.option_strings[0]}: {text}"
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("argv, flag, shown", [
+    (["generate"], "--seed", "default: 0"),
+    (["generate"], "--dtype", "default: auto"),
+    (["serve"], "--port", "default: 8000"),
+    (["serve"], "--max-num-seqs", "default: 256"),
+    (["serve"], "--max-num-batched-tokens", "default: auto: 2048 on CUDA; on CPU"),
+    (["serve"], "--enable-prefix-caching", "default: True"),
+    (["simulate"], "--prompt-len", "default: trace:sharegpt"),
+    (["simulate"], "--max-num-batched-tokens", "default: 8192"),
+    (["simulate"], "--tensor-parallel-size", "default: 1"),
+    (["bench", "serve"], "--goodput", "milliseconds"),
+    (["bench", "serve"], "--seed", "different seed"),
+    (["serve"], "--slo-ttft", "seconds"),
+    (["serve"], "--slo-tpot", "seconds"),
+])
+def test_help_shows(capsys: pytest.CaptureFixture[str], argv: list[str], flag: str,
+                    shown: str) -> None:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    start = re.search(rf"^  {flag}[ ,\n]", out, re.MULTILINE)
+    assert start is not None, out
+    entry = " ".join(out[start.start():].split("\n  -")[0].split())
+    assert shown in entry, entry

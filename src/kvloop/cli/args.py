@@ -111,9 +111,11 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     dv = {name: defaults.get(name, getattr(d, name)) for name in _SCHEDULER_FLAGS}
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=int, default=dv["max_num_seqs"])
+    auto = ("auto: 2048 on CUDA; on CPU what keeps a step near 0.5 s for the model, "
+            "measured at start-up")
     g.add_argument("--max-num-batched-tokens", type=int, default=dv["max_num_batched_tokens"],
-                   help="tokens per step (default: %(default)s; None: 2048 on CUDA, on CPU "
-                   "what keeps steps near 0.5 s for the model)")
+                   help="tokens per step (default: "
+                   f"{auto if dv['max_num_batched_tokens'] is None else '%(default)s'})")
     g.add_argument(
         "--max-model-len",
         type=int,
@@ -137,10 +139,10 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
         "(default: %(default)s)",
     )
     g.add_argument("--slo-ttft", type=float, default=dv["slo_ttft"], metavar="SECONDS",
-                   help="default TTFT target: what 'slo' schedules for and goodput counts "
-                   "(requests may carry their own)")
+                   help="TTFT target in seconds: what 'slo' schedules for and goodput counts "
+                   "(requests may carry their own) (default: none)")
     g.add_argument("--slo-tpot", type=float, default=dv["slo_tpot"], metavar="SECONDS",
-                   help="default TPOT target (requests may carry their own)")
+                   help="TPOT target in seconds (requests may carry their own) (default: none)")
     g.add_argument("--slo-overload", choices=["defer", "reject"], default=dv["slo_overload"],
                    help="under slo, what happens to a request that can no longer meet its "
                    "TTFT (default: %(default)s)")
@@ -150,7 +152,7 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
                    "comes first (default: %(default)s)")
     g.add_argument("--tenant-weights", type=parse_tenant_weights, default=dv["tenant_weights"],
                    metavar="T=W,...", help="under fair: service share weights, e.g. "
-                   "gold=4,free=1 (default weight 1)")
+                   "gold=4,free=1 (default: every tenant weight 1)")
     g.add_argument("--cost-aware-preemption", action=argparse.BooleanOptionalAction,
                    default=dv["cost_aware_preemption"],
                    help="pick victims by the work they throw away; --no-cost-aware-preemption: "

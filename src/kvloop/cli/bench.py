@@ -50,14 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cap on requests in flight (default: none; with the default rate, "
                    "a closed loop)")
     w.add_argument("--trace", choices=TRACES, default=None,
-                   help="replay a shipped trace's arrivals and lengths instead of --dataset")
+                   help="replay a shipped trace's arrivals and lengths instead of --dataset "
+                   "(default: none, --dataset)")
     w.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply the trace's arrival rate (default: %(default)g)")
     w.add_argument("--tenant-mix", default=None, metavar="SHARES",
                    help="tenants t0, t1, ... with these shares, e.g. 0.6,0.1,0.1,0.1,0.1: "
-                   "sent as the OpenAI 'user' field; the report gains per-tenant rows")
+                   "sent as the OpenAI 'user' field; the report gains per-tenant rows "
+                   "(default: none)")
     w.add_argument("--seed", type=int, default=0,
-                   help="seed of arrivals, lengths and prompts (default: %(default)s)")
+                   help="seed of arrivals, lengths and prompts (default: %(default)s). "
+                   "The same seed sends the same prompts: a second run hits the server's "
+                   "prefix cache and looks faster; use a different seed to compare runs fairly")
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", choices=DATASETS, default="random",
                    help="random lengths, or ShareGPT's prompt/output lengths (shipped) "
@@ -87,9 +91,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: %(default)s, the embedded SmolLM2)")
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                   help="SLOs in ms, e.g. ttft:500 tpot:50")
+                   help="SLOs in milliseconds (unlike the seconds of serve's "
+                   "--slo-ttft/--slo-tpot), e.g. ttft:500 tpot:50 (default: none, no goodput)")
     o.add_argument("--json", default=None, metavar="PATH",
-                   help="write the report with one row per request")
+                   help="write the report with one row per request (default: none)")
     o.add_argument("--no-progress", action="store_true",
                    help="no progress line (it counts output tokens as they stream, with the "
                    "requests sent, running and done)")

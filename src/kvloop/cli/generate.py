@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a prompt (repeat for a batch); with --skip-tokenizer-init, token ids "
                    "separated by commas or spaces")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--system", default=None, help="system message for --chat (default: none)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help=f"most tokens to generate {_default('max_tokens')}")
@@ -75,11 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     s.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each output token's log-probability and the top N "
-                   "alternatives (in --json too)")
+                   "alternatives (in --json too) (default: none)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (as each finishes)")
     p.add_argument("--trace-out", default=None, metavar="PATH",
-                   help="write one step record per line (JSONL)")
+                   help="write one step record per line (JSONL) (default: none)")
     add_model_args(p)
     p.set_defaults(func=run)
 

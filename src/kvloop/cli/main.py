@@ -11,6 +11,7 @@ error, not ``--rate-scale``.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import importlib.metadata
 import sys
@@ -38,15 +39,44 @@ _PARSER_DEST = "_kvloop_parser"
 """Namespace attribute naming the innermost (sub)parser that parsed the command line."""
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default: ``(default: X)`` is added to an option whose
+    help does not already say its default, help or not. Left alone: switches
+    (``store_true``), required options, positionals, and options whose default is ``None``
+    (their help says what happens without them; ``tests/test_cli_polish.py`` holds every
+    option to that)."""
+
+    @staticmethod
+    def _adds_default(action: argparse.Action) -> bool:
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        return not (switch or action.required or not action.option_strings
+                    or action.default in (None, argparse.SUPPRESS)
+                    or "default" in (action.help or "").lower())
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._adds_default(action):  # argparse skips an empty help
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if not self._adds_default(action) or action.help == "default: %(default)s":
+            return action.help
+        shown = "none" if action.default in ([], ()) else "%(default)s"
+        return f"{action.help} (default: {shown})"
+
+
 class KvloopParser(argparse.ArgumentParser):
-    """``ArgumentParser`` without prefix matching, whose unknown-flag error comes from the
-    innermost subcommand's parser (its usage, not the top-level one).
+    """``ArgumentParser`` without prefix matching, showing defaults in ``--help``
+    (``DefaultsHelpFormatter``), whose unknown-flag error comes from the innermost
+    subcommand's parser (its usage, not the top-level one).
 
     Subparsers are made of the parser's own class (``add_subparsers`` defaults
     ``parser_class`` to it), so every ``kvloop`` subcommand, nested ones too, gets both."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         # NOTE: a subparser's defaults overwrite its parent's in the namespace, so this ends
         # up naming the innermost parser that ran.

@@ -37,13 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answer 429 while this many requests wait (default: no limit)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (any path or method: "
-                   "401 without it)")
+                   "401 without it) (default: none, no key)")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="answer 413 to a request body larger than this, before reading it "
                    f"(default: {DEFAULT_MAX_REQUEST_BYTES} = 1 MiB, as nginx; 0: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT")
-    g.add_argument("--trace-out", default=None, help="write every step record to this JSONL")
+    g.add_argument("--trace-out", default=None,
+                   help="write every step record to this JSONL (default: none)")
     g.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between stats lines (0: none)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")

@@ -58,32 +58,37 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "seconds per step (default with --calibration: the measured one)")
     p.add_argument("--calibration", default=None, metavar="PATH",
                    help="a `kvloop profile` file: cost steps on the profiled device instead "
-                   "of a --gpu preset")
+                   "of a --gpu preset (default: none)")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None,
-                   help=f"shipped trace ({', '.join(SHIPPED_TRACES)}) or a trace file path; "
-                   "without it a synthetic workload is generated")
+                   help=f"shipped trace ({', '.join(SHIPPED_TRACES)}) or a trace file path "
+                   "(default: none, a synthetic workload)")
     w.add_argument("--rate-scale", type=float, default=1.0,
                    help="multiply the trace's arrival rate")
-    w.add_argument("--num-requests", type=int, default=None)
+    w.add_argument("--num-requests", type=int, default=None,
+                   help="requests (default: 1000 synthetic, or the whole trace)")
     w.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson/gamma arrivals in req/s (inf: all at once)")
+                   help="Poisson/gamma arrivals in req/s (inf: all at once) (default: inf; "
+                   "with --trace, the trace's own arrivals)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     w.add_argument("--prompt-len", default="trace:sharegpt",
                    help="synthetic prompt lengths: N, A:B or trace:NAME")
     w.add_argument("--output-len", default="trace:sharegpt",
                    help="synthetic output lengths: N, A:B or trace:NAME")
-    w.add_argument("--priority-mix", default=None, help="e.g. 0:0.2,1:0.8")
+    w.add_argument("--priority-mix", default=None,
+                   help="priorities with shares, e.g. 0:0.2,1:0.8 (default: none, all 0)")
     w.add_argument("--tenant-mix", default=None, metavar="SHARE,...",
                    help="give each request a tenant t0, t1, ... with these shares, e.g. "
                    "0.6,0.05,0.05 (seeded by --seed); the summary gains per-tenant rows and "
-                   "Jain's fairness index")
-    w.add_argument("--seed", type=int, default=0)
+                   "Jain's fairness index (default: none)")
+    w.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic workload and the mixes (default: %(default)s)")
     add_scheduler_args(p, max_num_batched_tokens=8192)
     o = p.add_argument_group("output")
-    o.add_argument("--json", default=None, metavar="PATH", help="write the metrics as JSON")
+    o.add_argument("--json", default=None, metavar="PATH",
+                   help="write the metrics as JSON (default: none)")
     o.add_argument("--trace-out", default=None, metavar="PATH",
-                   help="write one step record per line (JSONL)")
+                   help="write one step record per line (JSONL) (default: none)")
     o.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 

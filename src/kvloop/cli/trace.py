@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("--x-axis", choices=["time", "step"], default="time",
                       help="time: seconds since the first arrival, each step as wide as it "
                       "took; step: one column per step (default: %(default)s)")
-    plot.add_argument("--title", default=None)
+    plot.add_argument("--title", default=None,
+                      help="(default: the steps, requests and seconds shown)")
     plot.set_defaults(func=run_plot)
 
     export = tsub.add_parser("export", help="write Chrome trace-event JSON (Perfetto)")
@@ -47,9 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                               description="The kvloop simulate metrics table of a trace, "
                               "with a row per tenant when the trace recorded tenants.")
     summary.add_argument("trace", metavar="TRACE.jsonl")
-    summary.add_argument("--json", default=None, metavar="PATH", help="write the metrics")
-    summary.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
-    summary.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
+    summary.add_argument("--json", default=None, metavar="PATH",
+                         help="write the metrics as JSON (default: none)")
+    summary.add_argument("--slo-ttft", type=float, default=None,
+                         help="TTFT SLO in seconds (default: none)")
+    summary.add_argument("--slo-tpot", type=float, default=None,
+                         help="TPOT SLO in seconds (default: none)")
     summary.set_defaults(func=run_summary)
 
 
