@@ -25,6 +25,25 @@ def test_the_cpu_budget_follows_the_cost_per_token(monkeypatch, per_token, expec
     assert budget.default_token_budget(cuda) == (2048, "the CUDA default")
 
 
+def test_a_cold_first_step_does_not_set_the_budget(monkeypatch):
+    """The first prefill of a process is slow (weights paged in, kernels set up); it is run
+    untimed, and of the timed ones the fastest counts, so a cold start picks what a warm one
+    does."""
+    calls: list[int] = []
+    times = iter([0.036 * 64, 0.020 * 64, 0.0014 * 64, 0.0015 * 64])  # cold, then warming
+
+    def fake(runner, tokens):
+        calls.append(tokens)
+        return next(times)
+
+    monkeypatch.setattr(budget, "prefill_time", fake)
+    cpu = SimpleNamespace(device=SimpleNamespace(type="cpu"))
+    chosen, why = budget.default_token_budget(cpu)
+    assert len(calls) == 4 and len(set(calls)) == 1  # a warm-up of the same size, 3 timed
+    assert chosen == int(0.5 / 0.0014) // 64 * 64 == 320
+    assert "1.4 ms per prompt token" in why
+
+
 def test_the_engine_measures_and_says_what_it_chose(llama_model: TinyModel):
     auto = LLMEngine.from_args(EngineArgs(model=str(llama_model.path), **ARGS))
     chosen = auto.scheduler.config.max_num_batched_tokens
