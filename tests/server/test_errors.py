@@ -54,6 +54,9 @@ BAD = [
     (CHAT, {"messages": HI, "max_tokens": 0, "max_completion_tokens": 1}, 400, "max_tokens",
      "at least 1"),
     (CHAT, {"messages": [{"content": "x"}]}, 400, "messages", "required"),
+    (CHAT, {"messages": [{"role": "bogus", "content": "x"}]}, 400, "messages",
+     "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool' "
+     "(got 'bogus')"),
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (CHAT, {"messages": HI, "model": "nope"}, 404, "model", "does not exist"),
 ]

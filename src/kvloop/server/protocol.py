@@ -16,7 +16,7 @@ with its own messages naming the field.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -102,11 +102,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    """One message of a conversation (other fields, e.g. ``tool_calls``, are ignored)."""
+    """One message of a conversation (other fields, e.g. ``tool_calls``, are ignored); its
+    role is one of OpenAI's (the chat template renders each as it is named)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
