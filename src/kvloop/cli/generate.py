@@ -96,11 +96,36 @@ def sampling_params(defaults: SamplingParams, args: argparse.Namespace) -> Sampl
     return replace(defaults, **{k: v for k, v in given.items() if k in known})
 
 
-def show_sampling(params: SamplingParams, from_config: dict[str, Any]) -> str:
-    """The status line naming the sampling settings in effect and where they came from."""
-    shown = " ".join(f"{name}={getattr(params, name)}" for name in _SHOWN)
-    origin = ("the model's generation config" if from_config else "vLLM's neutral defaults")
-    return f"sampling: {shown} (flags given, else {origin})"
+def show_sampling(params: SamplingParams, args: argparse.Namespace,
+                  from_config: dict[str, Any]) -> str:
+    """The status line naming the sampling settings in effect, each group with where it came
+    from: a flag, the model's generation config (``from_config``, the engine's
+    ``default_sampling``; for ``--model default`` under ``auto``, kvloop's own defaults for
+    it unless its folder's file says otherwise), or vLLM's neutral defaults."""
+    given = {field for flag, field in _SAMPLING_FLAGS.items()
+             if getattr(args, flag, None) is not None}
+    config = str(getattr(args, "generation_config", "auto"))
+    own = (DEFAULT_MODEL_GENERATION_CONFIG
+           if getattr(args, "model", None) == "default" and config == "auto" else {})
+    if config == "auto":
+        file = "the model's generation_config.json"
+    else:
+        file = f"--generation-config {config}"
+
+    def origin(name: str) -> str:
+        if name in given:
+            return "flags"
+        if name not in from_config:
+            return "vLLM's neutral defaults"
+        key = "max_new_tokens" if name == "max_tokens" else name
+        if own.get(key) == from_config[name]:
+            return "kvloop's defaults for --model default"
+        return file
+
+    groups: dict[str, list[str]] = {}
+    for name in _SHOWN:
+        groups.setdefault(origin(name), []).append(f"{name}={getattr(params, name)}")
+    return "sampling: " + "; ".join(f"{' '.join(v)} ({k})" for k, v in groups.items())
 
 
 class _StatusHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -155,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     with status_to_stderr():
         llm = LLM(**vars(ea), trace_out=args.trace_out)
     params = sampling_params(llm.get_default_sampling_params(), args)
-    print(f"kvloop: {show_sampling(params, llm.default_sampling)}", file=sys.stderr)
+    print(f"kvloop: {show_sampling(params, args, llm.default_sampling)}", file=sys.stderr)
     printer = _Printer(llm.get_tokenizer(), args.json, single=len(prompts) == 1,
                        logprobs=params.logprobs)
     try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -324,7 +325,25 @@ def get_model_spec(name_or_path: str) -> ModelSpec:
     cfg = read_json(path, "config")
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    return ModelSpec.from_hf_config(cfg, path.resolve().parent.name, source=str(path))
+    spec = ModelSpec.from_hf_config(cfg, path.resolve().parent.name, source=str(path))
+    return replace(spec, name=readable_model_name(spec, path, cfg))
+
+
+_CONVERTED_FOLDER = re.compile(r"[0-9a-f]{32}-v\d+")
+"""A kvloop GGUF conversion's folder: a hash of the file's bytes (``kvloop.engine.
+model_source.converted_path``), which means nothing to a reader."""
+
+
+def readable_model_name(spec: ModelSpec, config_path: Path, cfg: dict[str, Any]) -> str:
+    """What to call the model of ``config_path``: its folder's name, or for a kvloop GGUF
+    conversion (a folder named by a hash) its kind and size, e.g. ``llama 135M (converted
+    GGUF bad8a3c4)``."""
+    folder = config_path.resolve().parent.name
+    if not _CONVERTED_FOLDER.fullmatch(folder):
+        return folder
+    params = spec.num_params
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    return f"{cfg.get('model_type') or 'model'} {size} (converted GGUF {folder[:8]})"
 
 
 def get_hardware_spec(name_or_path: str) -> HardwareSpec:
