@@ -10,13 +10,34 @@ from kvloop.cli import main
 from kvloop.executor.simulated.calibration import Calibration
 
 
-def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, capsys):
+def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, capsys,
+                                                         monkeypatch):
+    from kvloop.executor.torch import profiler
+
+    measure = profiler.measure_bandwidth
+    calls: list[float] = []
+
+    def noisy(device):  # the real bandwidth, with repeats as far apart as on a busy machine
+        bandwidth, _ = measure(device)
+        calls.append(bandwidth)
+        return bandwidth, 0.6
+
+    monkeypatch.setattr(profiler, "measure_bandwidth", noisy)
     out = tmp_path / "cal.json"
     rc = main(["profile", "--model", str(llama_model.path), "--device", "cpu", "--quick",
-               "--block-size", "4", "--kv-cache-memory", str(64 << 20), "-o", str(out),
-               "--no-progress"])
+               "--block-size", "4", "--kv-cache-memory", str(64 << 20), "-o", str(out)])
     assert rc == 0
-    assert "kvloop simulate --calibration" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "kvloop simulate --calibration" in captured.out
+    # stderr is not a terminal here: one plain line per measured item instead of a bar
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("kvloop profile: [")]
+    assert lines[0].startswith("kvloop profile: [1/") and "per-token work, 1 tokens" in lines[0]
+    total = int(lines[0].split("/")[1].split("]")[0])
+    assert len(lines) == total and lines[-1].startswith(f"kvloop profile: [{total}/{total}]")
+    assert "repeats 60% apart" in captured.err
+    assert "looks busy" in captured.err and "calibration is noisy" in captured.err
+    assert len(calls) == 2  # at the start, and again at the end to see whether it moved
+    assert Calibration.load(out).measurements["bandwidth"] == calls[0]
     cal = Calibration.load(out)
     assert cal.device == "cpu" and cal.dtype == "float32" and "threads" in cal.device_name
     assert cal.model.num_layers == 3 and cal.model.dtype_bytes == 4

@@ -194,7 +194,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default="default",
-        help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf",
+        help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf "
+        "(default: default)",
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")

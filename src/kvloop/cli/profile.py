@@ -20,10 +20,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure this device and write a simulator calibration file",
         description="Time kvloop's torch executor piece by piece (GEMMs, attention, LM head, "
         "runner and engine overhead) on this device and fit the simulator's cost model to "
-        "it. About a minute on 2 CPU cores for the default model (--quick: ~25 s).",
+        "it. For the default model on 2 CPU cores, --quick takes about 50 s; the full grid "
+        "minutes (13 min measured on a busy 2-core machine). A busy machine "
+        "takes longer and gives a noisy calibration, which kvloop profile warns about. "
+        "Without a terminal it prints one line per measured item on stderr.",
     )
     p.add_argument("--model", default="default",
-                   help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf")
+                   help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf "
+                   "(default: default)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
@@ -39,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fewer repeats and a smaller grid (512 tokens, 16 requests)")
     p.add_argument("-o", "--output", default="calibration.json", metavar="PATH",
                    help="where to write the calibration (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (on a terminal) or progress lines (otherwise)")
     p.set_defaults(func=run)
 
 
@@ -60,9 +65,11 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.executor.simulated.specs import ModelSpec
     from kvloop.executor.torch.model_runner import TorchModelRunner
     from kvloop.executor.torch.profiler import (
+        NOISY_SPREAD,
         ProfileSettings,
         blocks_for,
         created_now,
+        measure_bandwidth,
         new_measurements,
         plan,
     )
@@ -104,20 +111,45 @@ def run(args: argparse.Namespace) -> int:
         say(f"no tokenizer ({exc}); the engine loop is timed without detokenization")
         tokenizer = None
     cfg["torch_dtype"] = str(runner.dtype).removeprefix("torch.")
-    name = "SmolLM2-135M-Instruct" if args.model == "default" else path.name
+    # NOTE: a .gguf converts to a folder named by a hash: call it by the file's name instead.
+    name = ("SmolLM2-135M-Instruct" if args.model == "default"
+            else Path(args.model).stem if args.model.lower().endswith(".gguf") else path.name)
     model = ModelSpec.from_hf_config(cfg, name, source=str(path / "config.json"))
-    m = new_measurements(runner)
-    say(f"{m.device_name}, {m.dtype}: {m.bandwidth / 1e9:.1f} GB/s streaming copy")
+    bandwidth, spread = measure_bandwidth(runner.device)
+    m = new_measurements(runner, bandwidth)
+    say(f"{m.device_name}, {m.dtype}: {bandwidth / 1e9:.1f} GB/s streaming copy "
+        f"(repeats {spread:.0%} apart)")
     items = plan(runner, settings, m, tokenizer)
-    bar = tqdm(items, disable=args.no_progress or not sys.stderr.isatty(), unit="item",
-               leave=False)
-    for label, action in bar:
+    # NOTE: a bar on a terminal; in a log (stderr not a TTY) one plain line per item, so a
+    # run of minutes is never silent.
+    tty = sys.stderr.isatty()
+    bar = tqdm(items, disable=args.no_progress or not tty, unit="item", leave=False)
+    for i, (label, action) in enumerate(bar, 1):
         bar.set_description(label)
+        if not tty and not args.no_progress:
+            say(f"[{i}/{len(items)}] {label} ({time.perf_counter() - started:.0f} s)")
         action()
     bar.close()
+    end_bandwidth, end_spread = measure_bandwidth(runner.device)
+    drift = abs(end_bandwidth - bandwidth) / bandwidth
     cal = fit_calibration(m, model, block_size=args.block_size,
                           num_gpu_blocks=runner.num_gpu_blocks,
                           device_memory=runner.device_memory(), created=created_now())
+    # NOTE: the overhead is what whole runner steps cost beyond the kernels timed apart; when
+    # the machine stalled the steps but not the kernels (or the reverse), it swells to a
+    # large part of the fastest step, which a quiet machine never shows.
+    fastest = min((s["s"] for s in m.runner_steps), default=0.0)
+    overhead = cal.overhead.step_s + cal.overhead.seq_s  # of a one-request step
+    swollen = fastest > 0 and overhead > 0.5 * fastest
+    if max(spread, end_spread, drift) > NOISY_SPREAD or swollen:
+        why = (f"streaming-copy repeats were {spread:.0%} apart at the start and "
+               f"{end_spread:.0%} at the end, and the bandwidth moved {drift:.0%} (quiet: a "
+               "few %)")
+        if swollen:
+            why += (f"; the fitted overhead ({overhead * 1e3:.1f} ms per one-request step) is "
+                    f"{overhead / fastest:.0%} of the fastest step measured")
+        say(f"warning: this machine looks busy: {why}; the calibration is noisy: profile "
+            "again on an idle machine")
     cal.save(out)
     eff = cal.hardware.efficiency()
     say(f"measured {len(items)} items in {time.perf_counter() - started:.0f} s; wrote {out}")

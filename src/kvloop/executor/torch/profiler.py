@@ -103,6 +103,8 @@ def robust_mean(runs: list[float]) -> float:
 class _Timer:
     def __init__(self, device: torch.device, settings: ProfileSettings) -> None:
         self.device, self.settings = device, settings
+        self.last_runs: list[float] = []
+        """The timed runs of the last call (seconds each)."""
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -122,6 +124,7 @@ class _Timer:
             dt = time.perf_counter() - start
             runs.append(dt)
             spent += dt
+        self.last_runs = runs
         return robust_mean(runs)
 
 
@@ -400,23 +403,39 @@ def plan(
     return items
 
 
-def new_measurements(runner: TorchModelRunner) -> Measurements:
-    """Empty measurements of ``runner``'s device, with its streaming bandwidth measured."""
+NOISY_SPREAD = 0.25
+"""Streaming-copy runs further apart than this (fastest to slowest, as a fraction of the
+median) mean the machine is busy: another process takes cores or memory bandwidth, and every
+measurement (so the calibration) is noisy. On a quiet machine the runs agree within a few
+percent."""
+
+
+def new_measurements(runner: TorchModelRunner, bandwidth: float | None = None) -> Measurements:
+    """Empty measurements of ``runner``'s device, with its streaming bandwidth (bytes/s): the
+    one given (``measure_bandwidth``'s), else measured now."""
     dev = runner.device
-    timer = _Timer(dev, ProfileSettings())
+    if bandwidth is None:
+        bandwidth, _ = measure_bandwidth(dev)
     return Measurements(
         device=str(dev), device_name=device_name(dev),
-        dtype=str(runner.dtype).removeprefix("torch."), bandwidth=_bandwidth(timer, dev),
+        dtype=str(runner.dtype).removeprefix("torch."), bandwidth=bandwidth,
     )
 
 
-def _bandwidth(timer: _Timer, device: torch.device) -> float:
-    """Bytes/s of a streaming copy far larger than the caches (read + write)."""
+def measure_bandwidth(device: torch.device) -> tuple[float, float]:
+    """(bytes/s, spread) of a streaming copy far larger than the caches (read + write); the
+    spread is ``run_spread`` of its timed runs (above ``NOISY_SPREAD``: a busy machine)."""
+    timer = _Timer(device, ProfileSettings())
     n = (256 << 20) // 4 if device.type == "cpu" else (1 << 30) // 4
     src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     seconds = timer(lambda: dst.copy_(src))
-    return 2 * n * 4 / seconds
+    return 2 * n * 4 / seconds, run_spread(timer.last_runs)
+
+
+def run_spread(runs: list[float]) -> float:
+    """How far repeats of one measurement disagree: (slowest - fastest) / median."""
+    return (max(runs) - min(runs)) / statistics.median(runs)
 
 
 def created_now() -> str:
