@@ -55,7 +55,8 @@ def test_generation_config_defaults_and_status_lines(capsys, model_dir):
     assert lines[1].startswith("kvloop: loaded in ") and "float32 on cpu" in lines[1]
     assert lines[2].startswith("kvloop: KV cache: 64 blocks x 16 tokens = 1024 tokens")
     assert "temperature=0.0" in lines[3] and "max_tokens=4" in lines[3]
-    assert "the model's generation config" in lines[3]
+    assert "temperature=0.0 max_tokens=4 (the model's generation_config.json)" in lines[3]
+    assert "repetition_penalty=1.0 (vLLM's neutral defaults)" in lines[3]
     assert "kvloop: [length] the reply stopped at 4 tokens" in lines[4]
     assert out.endswith("\n") and out.strip()
 
