@@ -179,6 +179,7 @@ def test_abort_in_every_state():
         max_model_len=64,
         preemption_mode="swap",
         max_num_seqs=3,
+        cost_aware_preemption=False,  # admit into the last blocks, so a swap must come
     )
     for r in "ABCD":
         s.add_request(req(r, 4, 12))

@@ -125,7 +125,7 @@ async def _storm(live: LiveServer, plans: list[Plan]) -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_disconnect_storm_leaves_nothing_behind(new_server, mode: str) -> None:
     # 20 blocks of 16 tokens for 48 clients of up to ~110 tokens each: constant preemption.
-    live = new_server(num_gpu_blocks=20, preemption_mode=mode,
+    live = new_server(num_gpu_blocks=20, preemption_mode=mode, cost_aware_preemption=False,
                       swap_space=0.002 if mode == "swap" else 0.0, max_num_seqs=32,
                       max_num_batched_tokens=256)
     rng = random.Random(f"{SEED}-{mode}")

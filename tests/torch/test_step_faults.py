@@ -115,7 +115,7 @@ def test_a_failed_step_never_yields_a_wrong_answer(
     faulty = FaultyRunner(runner, point, when)
     sched = Scheduler(
         SchedulerConfig(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
-                        preemption_mode=mode),
+                        preemption_mode=mode, cost_aware_preemption=False),
         CacheConfig(block_size=runner.block_size, num_gpu_blocks=runner.num_gpu_blocks,
                     num_cpu_blocks=runner.num_cpu_blocks),
     )

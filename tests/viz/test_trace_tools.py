@@ -30,7 +30,8 @@ def _run(mode: str) -> tuple[SimulationResult, list]:
     rec = StepRecorder()
     res = simulate(
         wl,
-        SchedulerConfig(max_model_len=1024, max_num_batched_tokens=256, preemption_mode=mode),
+        SchedulerConfig(max_model_len=1024, max_num_batched_tokens=256, preemption_mode=mode,
+                        cost_aware_preemption=False),
         CacheConfig(num_gpu_blocks=24, num_cpu_blocks=64),  # tiny pool: forces preemptions
         CostModel(get_model_spec("llama-3.1-8b"), get_hardware_spec("h100")),
         recorder=rec,

@@ -14,7 +14,7 @@ preempt running requests that are strictly less urgent than itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.group import GroupForking, SequenceGroup
@@ -32,6 +32,8 @@ from kvloop.core.stats import SchedulerStats, StepRecorder
 from kvloop.core.step import StepBuilder, build_step_record
 
 _RUNNING = RequestStatus.RUNNING
+HEADROOM_TOKENS = 64
+"""Tokens of KV growth per running request that cost-aware admission keeps free."""
 
 
 class Scheduler(Preemption, GroupForking):
@@ -317,7 +319,7 @@ class Scheduler(Preemption, GroupForking):
             if new_ids is None and cost_aware and self._wait_instead(req, n, b):
                 continue
             while new_ids is None:
-                self._preempt(self._victim(b, self.kv.num_blocks_short(req, n)), b)
+                self._preempt(self._victim(b), b)
                 if req.status is not _RUNNING:
                     break  # req itself (or its group) was preempted
                 new_ids = allocate(req, n)
@@ -364,6 +366,13 @@ class Scheduler(Preemption, GroupForking):
         cfg, kv = self.config, self.kv
         skipped: list[Request] = []
         reject = self.policy.reject
+        # NOTE: cost-aware admission keeps free blocks for the running requests' next
+        # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
+        # the last free blocks only forces a preemption, and a recompute, a few steps
+        # later. Policies that preempt for urgency admit as before.
+        headroom = -1  # tokens; -1: no headroom kept
+        if cfg.cost_aware_preemption and not self.policy.preempts_running:
+            headroom = _headroom(self.running)
         unforked = self._unforked
         reserved = sum(unforked.values()) if unforked else 0
         while (len(waiting) and b.budget > 0
@@ -406,10 +415,14 @@ class Scheduler(Preemption, GroupForking):
                 if self._num_partial(b) >= cfg.max_num_partial_prefills:
                     skipped.append(req)  # a shorter prompt behind it may still fit
                     continue
+            if headroom > 0 and kv.num_free_blocks - (
+                    kv.blocks_needed(num_hit + n) - len(hits)) < kv.blocks_needed(headroom):
+                waiting.add_front([req])  # NOTE: keep the running requests' growth room
+                break
             req.num_computed_tokens = num_hit
             new_ids = kv.allocate_slots(req, n, hits)
             while new_ids is None and self.policy.preempts_running:
-                victim = self._pick_victim(b, worse_than=req, need=kv.num_blocks_short(req, n))
+                victim = self._pick_victim(b, worse_than=req)
                 if victim is None:
                     break
                 self._preempt(victim, b)
@@ -419,6 +432,8 @@ class Scheduler(Preemption, GroupForking):
                 waiting.add_front([req])
                 break
             self._admit(req, n, num_hit, new_ids, b)
+            if headroom >= 0:
+                headroom += _headroom((req,))
             if group is not None:
                 reserved = sum(unforked.values())
         if skipped:
@@ -572,6 +587,15 @@ class Scheduler(Preemption, GroupForking):
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
             assert r.num_computed_tokens == 0, r
+
+
+def _headroom(running: Sequence[Request]) -> int:
+    """Tokens the running requests may still add within ``HEADROOM_TOKENS`` each."""
+    total = 0
+    for r in running:
+        left = r.sampling_params.max_tokens - len(r.output_token_ids)
+        total += left if left < HEADROOM_TOKENS else HEADROOM_TOKENS
+    return total
 
 
 def _leading_decodes(requests: list[Request], limit: int) -> int:

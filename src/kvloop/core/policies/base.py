@@ -2,7 +2,7 @@
 
 A ``Policy`` is one object per scheduler (it may keep state: counters, estimates). The
 scheduler asks it for the waiting queue, the urgency ``key`` of a request (victims are the
-least urgent), a coarse ``tier`` for cost-aware victim choice, and, where the policy needs
+least urgent), and, where the policy needs
 them, a per-step token cap, a rejection test and a hook after every step. Hooks a policy
 does not use stay ``None`` so the scheduler's hot path skips them.
 """
@@ -174,8 +174,3 @@ class Policy:
 
     def forget(self, request: Request) -> None:
         """The request finished: drop whatever the policy kept about it."""
-
-    def tier(self, request: Request) -> float:
-        """Coarse urgency class for cost-aware preemption: victims come from the highest
-        tier among the candidates, and within it the cheapest goes."""
-        return 0.0

@@ -35,6 +35,3 @@ class PriorityPolicy(Policy):
         if aging > 0:
             return (request.priority * aging + request.arrival_time, request.arrival_order)
         return (request.priority, request.arrival_time, request.arrival_order)
-
-    def tier(self, request: Request) -> float:
-        return float(request.priority)

@@ -117,9 +117,6 @@ class FairPolicy(Policy):
         return (self.counters.get(request.tenant, 0.0), request.arrival_time,
                 request.arrival_order)
 
-    def tier(self, request: Request) -> float:
-        return self.counters.get(request.tenant, 0.0)
-
     def lift(self, tenant: str, backlogged: dict[str, deque[Request]]) -> None:
         """``tenant`` becomes backlogged: no less than the least-served active tenant."""
         counters = self.counters

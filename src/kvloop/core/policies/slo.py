@@ -13,9 +13,9 @@ observed (``StepTimes``) and gives it a *latest start*: ``arrival + TTFT - prefi
   is ``aging_s`` past its deadline ``D``, and late requests go by deadline, so from
   ``D + aging_s`` on only requests due no later than ``D`` (arrived before it) are admitted
   before it: it starts by ``D + aging_s`` plus their service (one at a time).
-- Each step's token budget is capped at what keeps the step within the tightest TPOT
-  target among the running requests that decode (never below one token per running
-  request plus a small prefill share, so prompts still progress).
+- Each step's token budget is capped so that every running decode keeps its TPOT target
+  on average: a request may spend the slack it has banked with faster steps (never below
+  one token per running request plus a small prefill share, so prompts still progress).
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class SLOPolicy(Policy):
         """Step cost as observed on the scheduler's clock."""
         self._latest_start: dict[str, float] = {}
         """Request id -> its latest start, fixed when it first waits."""
-        self._custom_tpot = False
         super().__init__(config, clock)
         self.token_cap = self._token_cap
         self.on_step = self._observe
@@ -114,8 +113,6 @@ class SLOPolicy(Policy):
         """Fix the request's latest start the first time it waits."""
         if request.request_id in self._latest_start:
             return
-        if request.slo_tpot is not None:
-            self._custom_tpot = True
         prefill = self.predict_prefill(request) if self.times.ready else 0.0
         self._latest_start[request.request_id] = self.deadline(request) - prefill
         # NOTE: entries go when the request leaves for good (``forget``); a request that
@@ -150,15 +147,31 @@ class SLOPolicy(Policy):
                 f"{now - request.arrival_time:.3g} s and its prefill needs ~{prefill:.3g} s")
 
     def _token_cap(self, running: list[Request]) -> int | None:
-        tpot = self.config.slo_tpot
-        if self._custom_tpot:
-            targets = [r.slo_tpot or tpot for r in running if r.output_token_ids]
-            tpot = min((t for t in targets if t is not None), default=None)
-        elif not any(r.output_token_ids for r in running):
-            return None  # no decode to protect
-        if tpot is None or not self.times.ready:
+        """Tokens the next step may take so that no running decode misses its TPOT target.
+
+        TPOT is a per-request average, so a request may spend the slack it has banked: with
+        ``k`` tokens out since its first at ``t1``, its average stays within ``T`` if the
+        next step ends by ``t1 + T * k``. The step may take the least of these allowances
+        (never less than ``T``, a normal decode step) over the running decodes.
+        """
+        if not self.times.ready:
             return None
-        return max(self.times.tokens_within(tpot), len(running) + MIN_PREFILL_SHARE)
+        now = self.clock()
+        default = self.config.slo_tpot
+        allowed = float("inf")
+        for r in running:
+            first = r.first_token_time
+            target = r.slo_tpot or default
+            if first is None or target is None:
+                continue
+            own = target * len(r.output_token_ids) - (now - first)
+            if own < target:
+                own = target
+            if own < allowed:
+                allowed = own
+        if allowed == float("inf"):
+            return None  # no decode to protect
+        return max(self.times.tokens_within(allowed), len(running) + MIN_PREFILL_SHARE)
 
     def _observe(self, out: SchedulerOutput, requests: dict[str, Request], start: float) -> None:
         self.times.observe(out.total_num_scheduled_tokens, self.clock() - start)
