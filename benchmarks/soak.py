@@ -464,7 +464,10 @@ def phase(mode: str, seconds: float, a: argparse.Namespace, extra: list[str], se
           tmp: Path) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # NOTE: vLLM's admission and victims, so the small pool preempts all the time (cost-aware
+    # preemption would mostly avoid it; pass --cost-aware-preemption after -- to soak that).
     flags = ["--num-gpu-blocks", str(a.num_gpu_blocks), "--preemption-mode", mode,
+             "--no-cost-aware-preemption",
              "--swap-space", str(a.swap_space if mode == "swap" else 0),
              "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
              *extra]

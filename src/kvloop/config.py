@@ -56,10 +56,11 @@ class SchedulerConfig:
     """Under ``fair``: ``(tenant, weight)`` pairs; a tenant's share of service is
     proportional to its weight (default 1)."""
     cost_aware_preemption: bool = True
-    """Choose preemption victims by the work they would throw away per block freed (within
-    the least urgent class), wait a step instead when a finishing request frees enough
-    blocks, skip requests preempted ``max_preemptions`` times, and throw away at most one
-    step's token budget per step. False: the newest, least urgent request goes (vLLM)."""
+    """Save the work preemption throws away (``kvloop.core.preemption``): admission keeps
+    free blocks for the running requests' next 64 tokens each; a request waits a step when
+    one finishing in it frees the blocks it lacks; victims preempted ``max_preemptions``
+    times or freeing no block are spared; at most one step's budget of work is thrown
+    away per step. False: vLLM's rules (admit while blocks are free, newest victim)."""
     max_preemptions: int = 3
     """Under cost-aware preemption, a request preempted this many times is not chosen as
     a victim again while another candidate exists."""
