@@ -108,6 +108,15 @@ def test_without_aging_a_low_priority_request_waits_for_the_whole_stream():
     assert strict["r1"].first_scheduled_time > aged["r1"].first_scheduled_time + 10
 
 
+class _Linear(FakeExecutor):
+    """Steps of 10 ms plus 1 ms per token."""
+
+    def execute(self, out):
+        result = super().execute(out)
+        result.step_time_s = 0.01 + 1e-3 * out.total_num_scheduled_tokens
+        return result
+
+
 # -- slo -----------------------------------------------------------------------------------
 def test_slo_admits_the_tightest_deadline_first():
     clock = FakeClock()
@@ -162,13 +171,7 @@ def test_slo_caps_the_step_to_keep_running_decodes_within_tpot():
     s = make_scheduler(clock=clock, policy="slo", slo_ttft=100.0, slo_tpot=0.05,
                        max_num_batched_tokens=512, num_gpu_blocks=512, max_model_len=2048)
 
-    class Linear(FakeExecutor):
-        def execute(self, out):
-            result = super().execute(out)
-            result.step_time_s = 0.01 + 1e-3 * out.total_num_scheduled_tokens
-            return result
-
-    ex = Linear()
+    ex = _Linear()
     s.add_request(req("chat", 8, 200, arrival=0.0))
     for i in range(6):  # warm up the step-time model with prompts of several sizes
         s.add_request(req(f"warm{i}", 16 + 40 * i, 1, arrival=0.0))
@@ -357,13 +360,7 @@ def test_slo_lets_a_step_spend_the_tpot_slack_a_decode_has_banked():
     s = make_scheduler(clock=clock, policy="slo", slo_ttft=100.0, slo_tpot=0.05,
                        max_num_batched_tokens=512, num_gpu_blocks=512, max_model_len=2048)
 
-    class Linear(FakeExecutor):
-        def execute(self, out):
-            result = super().execute(out)
-            result.step_time_s = 0.01 + 1e-3 * out.total_num_scheduled_tokens
-            return result
-
-    ex = Linear()
+    ex = _Linear()
     s.add_request(req("chat", 40, 200, arrival=0.0))
     s.add_request(req("warm", 8, 1, arrival=0.0))
     for _ in range(20):  # 11 ms decode steps bank ~39 ms each against a 50 ms target
