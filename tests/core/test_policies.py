@@ -307,17 +307,19 @@ def test_a_request_preempted_max_preemptions_times_is_spared():
 
 
 def test_cost_aware_swap_recomputes_a_victim_with_one_block_of_work():
-    # (priority admits without headroom, so the pool overflows)
-    s = make_scheduler(num_gpu_blocks=3, num_cpu_blocks=16, block_size=4,
-                       max_num_batched_tokens=64, preemption_mode="swap",
-                       enable_prefix_caching=False, policy="priority")
-    s.add_request(req("big", 8, 4, arrival=0.0))  # needs a 3rd block at its 2nd step
-    s.add_request(req("tiny", 2, 8, arrival=1.0))  # 3 computed tokens by then
-    modes = []
-    while s.has_unfinished_requests():
+    from kvloop.core.step import StepBuilder
+
+    for cost_aware, expected in ((True, "recompute"), (False, "swap")):
+        s = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=16, block_size=4,
+                           max_num_batched_tokens=64, preemption_mode="swap",
+                           cost_aware_preemption=cost_aware)
+        tiny = req("tiny", 3, 8)
+        s.add_request(tiny)
         step(s)
-        modes += [m for _, m in s.recorder.records[-1].preempted]
-    assert "recompute" in modes
+        assert 0 < tiny.num_computed_tokens <= 4
+        b = StepBuilder(64, 0.0)
+        s._preempt(tiny, b)
+        assert b.preempted == [("tiny", expected)]
 
 
 _slo_stream = st.lists(

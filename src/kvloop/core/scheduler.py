@@ -369,10 +369,11 @@ class Scheduler(Preemption, GroupForking):
         # NOTE: cost-aware admission keeps free blocks for the running requests' next
         # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
         # the last free blocks only forces a preemption, and a recompute, a few steps
-        # later. Policies that preempt for urgency admit as before.
+        # later.
         headroom = -1  # tokens; -1: no headroom kept
-        if cfg.cost_aware_preemption and not self.policy.preempts_running:
+        if cfg.cost_aware_preemption:
             headroom = _headroom(self.running)
+        preempts = self.policy.preempts_running
         unforked = self._unforked
         reserved = sum(unforked.values()) if unforked else 0
         while (len(waiting) and b.budget > 0
@@ -416,8 +417,11 @@ class Scheduler(Preemption, GroupForking):
                     skipped.append(req)  # a shorter prompt behind it may still fit
                     continue
             if headroom > 0 and kv.num_free_blocks - (
-                    kv.blocks_needed(num_hit + n) - len(hits)) < kv.blocks_needed(headroom):
-                waiting.add_front([req])  # NOTE: keep the running requests' growth room
+                    kv.blocks_needed(num_hit + n) - len(hits)) < kv.blocks_needed(headroom) and (
+                    not preempts or not any(r.priority > req.priority for r in self.running)):
+                # NOTE: keep the running requests' growth room, unless the request may
+                # preempt some of them for urgency anyway.
+                waiting.add_front([req])
                 break
             req.num_computed_tokens = num_hit
             new_ids = kv.allocate_slots(req, n, hits)
