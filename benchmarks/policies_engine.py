@@ -64,7 +64,7 @@ def _port() -> int:
 
 
 def _serve(flags: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvloop", "serve", "--model", "default", "--port", str(port),
+    cmd = [sys.executable, "-m", "kvloop.cli", "serve", "--model", "default", "--port", str(port),
            *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
