@@ -86,11 +86,12 @@ class SchedulerConfig:
             if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1e9):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.policy == "slo" and self.slo_ttft is None:
-            raise ValueError("policy 'slo' needs a default TTFT target: set slo_ttft")
+            raise ValueError("policy 'slo' needs a default TTFT target: set slo_ttft (--slo-ttft)")
         if not (isinstance(self.aging_s, (int, float)) and 0 <= self.aging_s < 1e9):
-            raise ValueError(f"aging_s must be a number of seconds >= 0, got {self.aging_s!r}")
+            raise ValueError(
+                f"aging_s (--aging) must be a number of seconds >= 0, got {self.aging_s!r}")
         if self.policy == "slo" and self.aging_s <= 0:
-            raise ValueError("policy 'slo' needs aging_s > 0 (the starvation bound)")
+            raise ValueError("policy 'slo' needs aging_s (--aging) > 0 (the starvation bound)")
         for item in self.tenant_weights:
             if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
                     or not isinstance(item[1], (int, float)) or not 0 < item[1] < 1e9):

@@ -165,3 +165,15 @@ def test_rows_legend_names_full_tenants() -> None:
     assert lines[0] == "row\trequest_id\tarrival_s\ttenant\tpriority"
     assert lines[2] == "2\tb\t0.000\tacme\t2"
     assert lines[4] == "4\td\t0.000\ta-very-long-tenant-name\t0"
+
+
+def test_summary_slo_flags_replace_the_recorded_targets(slo_run) -> None:
+    from kvloop.viz.summary import summarize_trace
+
+    _, records = slo_run
+    recorded = summarize_trace(records)
+    loose = summarize_trace(records, slo_ttft=1e6, slo_tpot=1e6)
+    tight = summarize_trace(records, slo_ttft=1e-9, slo_tpot=1e-9)
+    assert loose["goodput"] == pytest.approx(loose["request_throughput"])
+    assert not tight["goodput"]
+    assert (recorded["goodput"] or 0) < loose["goodput"]

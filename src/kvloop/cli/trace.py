@@ -51,9 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     summary.add_argument("--json", default=None, metavar="PATH",
                          help="write the metrics as JSON (default: none)")
     summary.add_argument("--slo-ttft", type=float, default=None,
-                         help="TTFT SLO in seconds (default: none)")
+                         help="TTFT SLO in seconds for goodput, replacing the targets the "
+                         "trace recorded (default: the recorded ones, else none)")
     summary.add_argument("--slo-tpot", type=float, default=None,
-                         help="TPOT SLO in seconds (default: none)")
+                         help="TPOT SLO in seconds for goodput, replacing the recorded "
+                         "targets (default: the recorded ones, else none)")
     summary.set_defaults(func=run_summary)
 
 

@@ -210,9 +210,14 @@ def summarize_trace(
     ``requests_without_arrival`` (requests the trace saw but whose arrival it missed).
 
     When the trace recorded tenants (``StepRecord.arrived_info``), ``tenants`` has a row per
-    tenant (requests, tokens served, goodput, mean/p99 TTFT); a request's recorded SLO
-    targets (its own or the scheduler's default) win over ``slo_ttft``/``slo_tpot``."""
+    tenant (requests, tokens served, goodput, mean/p99 TTFT). Goodput counts each request's
+    recorded SLO targets (its own or the scheduler's default); ``slo_ttft``/``slo_tpot``,
+    when given, replace them for every request (a what-if on the same run)."""
     reqs = reconstruct_requests(records)
+    for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
+        if value is not None:
+            for r in reqs.values():
+                setattr(r, name, None)  # NOTE: the given target applies to all
     summary = summarize_requests(reqs.values(), slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     summary["scheduler"] = scheduler_totals(records, reqs)
     busy = sum(max(0.0, rec.end_time_s - rec.time_s) for rec in records)
