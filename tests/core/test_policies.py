@@ -62,18 +62,18 @@ _stream = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(1
                    min_size=2, max_size=14)
 
 
-def _serve_one_at_a_time(policy: str, aging_s: float, items, **kw):
-    """One request at a time, one step per time unit; arrivals every time unit."""
+def _serve_one_at_a_time(items, make, **sched):
+    """One request at a time, one step per time unit; item ``i`` arrives at time ``i`` as
+    ``make(rid, item, now)``. Returns the requests made."""
     clock = FakeClock()
-    s = make_scheduler(clock=clock, policy=policy, aging_s=aging_s, max_num_seqs=1,
-                       max_num_batched_tokens=64, **kw)
+    s = make_scheduler(clock=clock, max_num_seqs=1, max_num_batched_tokens=64, **sched)
     ex = FakeExecutor(step_time=1.0)
     made = []
     pending = list(enumerate(items))
     while pending or s.has_unfinished_requests():
         while pending and pending[0][0] <= clock.now:
-            i, (prio, plen, out) = pending.pop(0)
-            r = req(f"r{i}", plen, out, priority=prio, arrival=clock.now)
+            i, item = pending.pop(0)
+            r = make(f"r{i}", item, clock.now)
             s.add_request(r)
             made.append(r)
         if s.has_unfinished_requests():
@@ -84,13 +84,18 @@ def _serve_one_at_a_time(policy: str, aging_s: float, items, **kw):
     return made
 
 
+def _prioritized(rid, item, now):
+    prio, plen, out = item
+    return req(rid, plen, out, priority=prio, arrival=now)
+
+
 @settings(max_examples=60, deadline=None)
 @given(items=_stream, aging=st.sampled_from([1.0, 2.0, 5.0]))
 def test_priority_starvation_bound(items, aging):
     """With aging A, a request of priority p is admitted after at most the service of the
     requests that arrived up to (p - p_min) * A after it (one at a time, a step per unit,
     a request of P prompt tokens and T outputs takes T steps here): it never starves."""
-    made = _serve_one_at_a_time("priority", aging, items)
+    made = _serve_one_at_a_time(items, _prioritized, policy="priority", aging_s=aging)
     p_min = min(r.priority for r in made)
     for a in made:
         horizon = a.arrival_time + (a.priority - p_min) * aging
@@ -102,8 +107,10 @@ def test_priority_starvation_bound(items, aging):
 def test_without_aging_a_low_priority_request_waits_for_the_whole_stream():
     # r1 (low) arrives while r0 runs, then a stream of urgent ones keeps coming
     items = [(0, 4, 2), (3, 4, 2)] + [(0, 4, 2)] * 12
-    aged = {r.request_id: r for r in _serve_one_at_a_time("priority", 1.0, items)}
-    strict = {r.request_id: r for r in _serve_one_at_a_time("priority", 0.0, items)}
+    aged = {r.request_id: r
+            for r in _serve_one_at_a_time(items, _prioritized, policy="priority", aging_s=1.0)}
+    strict = {r.request_id: r
+              for r in _serve_one_at_a_time(items, _prioritized, policy="priority", aging_s=0.0)}
     assert aged["r1"].first_scheduled_time <= 1.0 + 3 * 1.0 + 2  # its bound, one in service
     assert strict["r1"].first_scheduled_time > aged["r1"].first_scheduled_time + 10
 
@@ -333,22 +340,11 @@ def test_slo_starvation_bound(items, aging):
     """Under slo (defer), a request due at D starts by D + aging_s plus the service of the
     requests that arrived up to then (one at a time, a step per time unit): none starves,
     however many tighter requests keep arriving."""
-    clock = FakeClock()
-    s = make_scheduler(clock=clock, policy="slo", slo_ttft=4.0, aging_s=aging, max_num_seqs=1,
-                       max_num_batched_tokens=64)
-    ex = FakeExecutor(step_time=1.0)
-    made, pending = [], list(enumerate(items))
-    while pending or s.has_unfinished_requests():
-        while pending and pending[0][0] <= clock.now:
-            i, (ttft, plen, out) = pending.pop(0)
-            r = req(f"r{i}", plen, out, arrival=clock.now, slo_ttft=ttft)
-            s.add_request(r)
-            made.append(r)
-        if s.has_unfinished_requests():
-            step(s, ex, clock)
-        else:
-            clock.now += 1.0
-        assert clock.now < 1000
+    def make(rid, item, now):
+        ttft, plen, out = item
+        return req(rid, plen, out, arrival=now, slo_ttft=ttft)
+
+    made = _serve_one_at_a_time(items, make, policy="slo", slo_ttft=4.0, aging_s=aging)
     for a in made:
         due = a.arrival_time + (a.slo_ttft or 4.0)
         horizon = due + aging
