@@ -1,0 +1,166 @@
+"""Admitting waiting requests: the waiting pass of ``Scheduler.schedule``.
+
+Part of ``Scheduler`` (a mixin: the state is the scheduler's). Requests are popped in the
+policy's order and admitted while the step has tokens, seats and KV blocks for them; a
+policy may reject one it can no longer serve well; under cost-aware preemption admission
+keeps growth headroom for the running requests (``_headroom``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvloop.core.request import Request, RequestStatus
+from kvloop.core.step import StepBuilder
+
+if TYPE_CHECKING:
+    from kvloop.config import SchedulerConfig
+    from kvloop.core.kv_cache_manager import KVCacheManager
+    from kvloop.core.policies import Policy, WaitingQueue
+    from kvloop.core.stats import SchedulerStats
+
+_RUNNING = RequestStatus.RUNNING
+HEADROOM_TOKENS = 64
+"""Tokens of KV growth per running request that cost-aware admission keeps free."""
+
+
+class Admission:
+    """The waiting pass of ``Scheduler``."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    policy: Policy
+    stats: SchedulerStats
+    running: list[Request]
+    swapped: list[Request]
+    waiting: WaitingQueue
+    _prefilling: set[str]
+    _unforked: dict[str, int]
+
+    if TYPE_CHECKING:  # NOTE: provided by Scheduler and its other mixins
+
+        def _finish(self, request: Request, status: RequestStatus) -> None: ...
+        def _chunk(self, remaining: int, budget: int) -> int: ...
+        def _num_partial(self, b: StepBuilder) -> int: ...
+        def _admit_and_fork(self, leader: Request, b: StepBuilder) -> bool: ...
+        def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None: ...
+        def _preempt(self, victim: Request, b: StepBuilder) -> None: ...
+
+    def _schedule_waiting(self, b: StepBuilder) -> None:
+        # NOTE: swapped requests come back before new work is admitted (no starvation), and
+        # a step that had to preempt admits nothing new (that would only thrash).
+        waiting = self.waiting
+        if self.swapped or b.preempted or not len(waiting):
+            return
+        cfg, kv = self.config, self.kv
+        skipped: list[Request] = []
+        reject = self.policy.reject
+        # NOTE: cost-aware admission keeps free blocks for the running requests' next
+        # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
+        # the last free blocks only forces a preemption, and a recompute, a few steps
+        # later.
+        headroom = -1  # tokens; -1: no headroom kept
+        if cfg.cost_aware_preemption:
+            headroom = _headroom(self.running)
+        preempts = self.policy.preempts_running
+        unforked = self._unforked
+        reserved = sum(unforked.values()) if unforked else 0
+        while (len(waiting) and b.budget > 0
+               and len(self.running) + reserved < cfg.max_num_seqs):
+            req = waiting.pop()
+            if reject is not None and req.num_preemptions == 0:
+                why = reject(req, b.start_time)
+                if why is not None:
+                    req.error = why
+                    self._finish(req, RequestStatus.FINISHED_REJECTED)
+                    continue
+            if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
+                skipped.append(req)
+                continue
+            group = req.group if req.group is not None and not req.group.forked else None
+            if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
+                waiting.add_front([req])  # NOTE: a group is admitted as one unit
+                break
+            hits = kv.get_computed_blocks(req)
+            num_hit = len(hits) * kv.block_size
+            remaining = req.num_tokens - num_hit
+            if group is not None:
+                # NOTE: the leader prefills all but the last prompt token (then forks).
+                if hits and num_hit == req.num_prompt_tokens - 1:
+                    hits = hits[:-1]
+                    num_hit -= kv.block_size
+                remaining = req.num_prompt_tokens - 1 - num_hit
+                if remaining == 0:  # a one-token prompt: every sequence computes it now
+                    if not self._admit_and_fork(req, b):
+                        waiting.add_front([req])
+                        break
+                    reserved = sum(unforked.values())
+                    continue
+            n = self._chunk(remaining, b.budget)
+            if n < remaining:
+                # NOTE: without chunking the budget covers max_model_len (config check).
+                if not cfg.enable_chunked_prefill:
+                    waiting.add_front([req])  # wait for a step with room for all of it
+                    break
+                if self._num_partial(b) >= cfg.max_num_partial_prefills:
+                    skipped.append(req)  # a shorter prompt behind it may still fit
+                    continue
+            if headroom > 0 and kv.num_free_blocks - (
+                    kv.blocks_needed(num_hit + n) - len(hits)) < kv.blocks_needed(headroom) and (
+                    not preempts or not any(r.priority > req.priority for r in self.running)):
+                # NOTE: keep the running requests' growth room, unless the request may
+                # preempt some of them for urgency anyway.
+                waiting.add_front([req])
+                break
+            req.num_computed_tokens = num_hit
+            new_ids = kv.allocate_slots(req, n, hits)
+            while new_ids is None and self.policy.preempts_running:
+                victim = self._pick_victim(b, worse_than=req)
+                if victim is None:
+                    break
+                self._preempt(victim, b)
+                new_ids = kv.allocate_slots(req, n, hits)
+            if new_ids is None:
+                req.num_computed_tokens = 0
+                waiting.add_front([req])
+                break
+            self._admit(req, n, num_hit, new_ids, b)
+            if headroom >= 0:
+                headroom += _headroom((req,))
+            if group is not None:
+                reserved = sum(unforked.values())
+        if skipped:
+            waiting.add_front(skipped)
+
+    def _admit(
+        self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
+    ) -> None:
+        if req.num_preemptions == 0:
+            self.stats.prefix_cache_queries += req.num_tokens
+            self.stats.prefix_cache_hits += num_hit
+            b.prefix_queries += req.num_tokens
+            b.prefix_hits += num_hit
+        else:
+            self.stats.recompute_prefix_hits += num_hit
+            recomputed = max(0, req.num_tokens - 1 - num_hit)
+            req.num_recomputed_tokens += recomputed
+            self.stats.num_recomputed_tokens += recomputed
+        req.status = _RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = b.start_time
+        self.running.append(req)
+        self._prefilling.add(req.request_id)
+        if req.group is not None and not req.group.forked:
+            self._unforked[req.request_id] = req.group.n - 1
+        b.charge(req, n, req.num_tokens - num_hit, block_ids)
+        b.admitted[req.request_id] = num_hit
+
+
+def _headroom(running: Sequence[Request]) -> int:
+    """Tokens the running requests may still add within ``HEADROOM_TOKENS`` each."""
+    total = 0
+    for r in running:
+        left = r.sampling_params.max_tokens - len(r.output_token_ids)
+        total += left if left < HEADROOM_TOKENS else HEADROOM_TOKENS
+    return total
