@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import re
 import socket
 import subprocess
@@ -48,13 +46,11 @@ TENANT_MIX = "0.6,0.1,0.1,0.1,0.1"
 
 
 def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores, {isa}"
-    return platform.processor() or "unknown CPU"
+    import torch
+
+    from kvloop.executor.torch.profiler import device_name
+
+    return device_name(torch.device("cpu"))
 
 
 def _port() -> int:

@@ -60,9 +60,13 @@ class Admission:
         # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
         # the last free blocks only forces a preemption, and a recompute, a few steps
         # later.
+        # NOTE: it starts as the bound HEADROOM_TOKENS per running request (O(1)) and is
+        # summed exactly over the running requests only when that bound would hold a
+        # request back, so a roomy pool pays nothing per running request.
         headroom = -1  # tokens; -1: no headroom kept
+        exact = False
         if cfg.cost_aware_preemption:
-            headroom = _headroom(self.running)
+            headroom = len(self.running) * HEADROOM_TOKENS
         preempts = self.policy.preempts_running
         unforked = self._unforked
         reserved = sum(unforked.values()) if unforked else 0
@@ -106,13 +110,16 @@ class Admission:
                 if self._num_partial(b) >= cfg.max_num_partial_prefills:
                     skipped.append(req)  # a shorter prompt behind it may still fit
                     continue
-            if headroom > 0 and kv.num_free_blocks - (
-                    kv.blocks_needed(num_hit + n) - len(hits)) < kv.blocks_needed(headroom) and (
-                    not preempts or not any(r.priority > req.priority for r in self.running)):
-                # NOTE: keep the running requests' growth room, unless the request may
-                # preempt some of them for urgency anyway.
-                waiting.add_front([req])
-                break
+            if headroom > 0:
+                left = kv.num_free_blocks - (kv.blocks_needed(num_hit + n) - len(hits))
+                if left < kv.blocks_needed(headroom) and not exact:
+                    headroom, exact = _headroom(self.running), True
+                if left < kv.blocks_needed(headroom) and (
+                        not preempts or not any(r.priority > req.priority for r in self.running)):
+                    # NOTE: keep the running requests' growth room, unless the request may
+                    # preempt some of them for urgency anyway.
+                    waiting.add_front([req])
+                    break
             req.num_computed_tokens = num_hit
             new_ids = kv.allocate_slots(req, n, hits)
             while new_ids is None and self.policy.preempts_running:
@@ -127,7 +134,7 @@ class Admission:
                 break
             self._admit(req, n, num_hit, new_ids, b)
             if headroom >= 0:
-                headroom += _headroom((req,))
+                headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
             if group is not None:
                 reserved = sum(unforked.values())
         if skipped:

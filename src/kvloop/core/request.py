@@ -145,8 +145,9 @@ class Request:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_served_tokens = 0
-        """Prompt tokens computed at least once (recompute excluded) plus outputs: the
-        service the ``fair`` policy charges to the tenant (kept by that policy only)."""
+        """The most tokens ever computed for it (a high-water mark of
+        ``num_computed_tokens``): the ``fair`` policy charges only tokens past it, so a
+        recompute is not charged twice (kept by that policy only)."""
         self.error: str | None = None
         self.group: SequenceGroup | None = None
         """Set when ``sampling_params.n > 1``: the sequences sampled from this prompt."""
