@@ -15,6 +15,7 @@ import sys
 from typing import IO, Any
 
 from kvloop.cli.args import add_model_args, engine_args_from, format_size
+from kvloop.cli.serve_ray import add_cluster_args, check_cluster_args, run_replicas
 from kvloop.server import DEFAULT_MAX_REQUEST_BYTES
 
 RESPONSE_FLUSH_S = 5
@@ -48,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between stats lines (0: none)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_cluster_args(p)
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -153,7 +155,15 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.server.metrics import ServerMetrics
 
     _check(args)
+    check_cluster_args(args)
     port = check_address(args.host, args.port)
+    if args.replicas is not None:
+        # NOTE: the ingress's own stats line would only see zeros: replicas report through
+        # ``/metrics``.
+        config = ServerConfig(args.served_model_name or args.model, args.model, args.api_key,
+                              0, max_request_bytes=args.max_request_bytes)
+        args.port = port
+        return run_replicas(args, engine_args_from(args), config)
     # NOTE: process-wide, so only here: no ``*_created`` series next to the counters.
     prometheus_client.disable_created_metrics()
     logging.basicConfig(level=logging.INFO,

@@ -113,8 +113,13 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[
     return True, task.result()
 
 
-def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig) -> FastAPI:
-    """The OpenAI-compatible app over ``engine`` (started and stopped by its lifespan)."""
+def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig, *,
+               render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (started and stopped by its lifespan).
+
+    ``render_metrics`` replaces ``metrics.render`` for ``/metrics`` (the Ray ingress merges
+    its replicas' registries); ``engine`` may be any object with ``AsyncEngine``'s request
+    surface (``kvloop.cluster.ray_serve.ClusterEngine``)."""
     serving = OpenAIServing(engine, config.served_model_name)
     workers = PromptWorkers(config.prompt_workers, config.max_prompt_backlog)
 
@@ -210,6 +215,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.errors(413))
     async def prometheus() -> Response:
         """Prometheus metrics (vLLM's names with a `kvloop:` prefix)."""
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body = await render_metrics() if render_metrics is not None else metrics.render()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,0 +1,93 @@
+"""``kvloop serve --replicas N``: N engine replicas on Ray Serve behind one ingress.
+
+Without ``--ray-address`` a local Ray starts for the server and stops with it; with one,
+the application joins that cluster and only the application is deleted on exit. The
+routes, validation, streaming, errors and API key are ``kvloop serve``'s own
+(``kvloop.cluster.ray_serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from kvloop.cluster.routers import ROUTERS
+
+APP_NAME = "kvloop"
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The replica flags of ``kvloop serve``."""
+    g = p.add_argument_group("replicas (Ray Serve)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one endpoint "
+                   "(default: one engine in this process, no Ray)")
+    g.add_argument("--router", choices=list(ROUTERS), default="kv-aware",
+                   help="how requests are spread over the replicas (default: %(default)s)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
+                   "starting a local one (default: a local Ray for this server)")
+    g.add_argument("--num-gpus-per-replica", type=float, default=0.0,
+                   help="GPUs each replica reserves (default: 0, CPU)")
+    g.add_argument("--threads-per-replica", type=int, default=None,
+                   help="CPU threads (and Ray CPUs) per replica (default: the CPUs of this "
+                   "machine divided by --replicas, at least 1)")
+
+
+def check_cluster_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag for a bad replica setting."""
+    if args.replicas is None:
+        return
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.threads_per_replica is not None and args.threads_per_replica < 1:
+        raise ValueError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
+    if args.num_gpus_per_replica < 0:
+        raise ValueError("--num-gpus-per-replica must be >= 0")
+    if args.trace_out:
+        raise ValueError("--trace-out records one engine's steps: not with --replicas")
+
+
+def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any) -> int:
+    """Start Ray (or join ``--ray-address``), deploy, print one line, wait for a signal."""
+    import ray
+    from ray import serve
+
+    from kvloop.cluster.ray_serve import build_app
+
+    cpus = os.cpu_count() or 1
+    threads = args.threads_per_replica or max(1, cpus // args.replicas)
+    started_ray = args.ray_address is None
+    if started_ray:
+        # NOTE: enough logical CPUs for every replica even when they oversubscribe the
+        # machine (Ray would otherwise wait forever for resources that never come).
+        ray.init(num_cpus=max(cpus, threads * args.replicas), include_dashboard=False)
+    else:
+        ray.init(address=args.ray_address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_app(engine_args, server_config, replicas=args.replicas,
+                        router=args.router, threads=threads,
+                        num_gpus_per_replica=args.num_gpus_per_replica,
+                        max_queued_requests=args.max_queued_requests)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        where = "a local Ray" if started_ray else f"Ray at {args.ray_address}"
+        unit = (f"{args.num_gpus_per_replica:g} GPU" if args.num_gpus_per_replica
+                else f"{threads} thread{'s' * (threads > 1)}")
+        print(f"kvloop serve: {args.replicas} replicas of {engine_args.model} ({unit} each) "
+              f"on {where}, router {args.router}; http://{host}:{args.port}",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        try:
+            serve.delete(APP_NAME) if not started_ray else serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
