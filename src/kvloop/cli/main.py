@@ -23,6 +23,7 @@ from kvloop.cli.generate import register as register_generate
 from kvloop.cli.profile import register as register_profile
 from kvloop.cli.serve import register as register_serve
 from kvloop.cli.simulate import register as register_simulate
+from kvloop.cli.sweep import register as register_sweep
 from kvloop.cli.trace import register as register_trace
 
 Register = Callable[[argparse._SubParsersAction], None]
@@ -32,6 +33,7 @@ COMMANDS: list[Register] = [
     register_profile,
     register_serve,
     register_simulate,
+    register_sweep,
     register_trace,
 ]
 
