@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 
 from kvloop.cli.args import add_scheduler_args, scheduler_args_from
+from kvloop.cluster.routers import ROUTERS
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
@@ -26,6 +27,7 @@ from kvloop.executor.simulated import (
 )
 from kvloop.executor.simulated.calibration import Calibration
 from kvloop.executor.simulated.tables import StepTables
+from kvloop.sim.cluster import format_replicas, simulate_cluster
 from kvloop.sim.driver import simulate
 from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
@@ -83,6 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "Jain's fairness index (default: none)")
     w.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic workload and the mixes (default: %(default)s)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--replicas", type=int, default=1,
+                   help="replicas of this configuration behind one router, on one virtual "
+                   "clock; above 1 the summary gains per-replica rows and cluster lines")
+    c.add_argument("--router", default="round-robin", metavar="NAME",
+                   help=f"how arrivals pick a replica: {', '.join(ROUTERS)} (the routers "
+                   "`kvloop serve --replicas` uses; no effect with one replica)")
     add_scheduler_args(p, max_num_batched_tokens=8192)
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH",
@@ -188,7 +197,19 @@ def warn_beyond(tables: StepTables, sched: SchedulerConfig) -> None:
                   f"measured up to {measured}; larger steps are extrapolated", file=sys.stderr)
 
 
+def check_cluster_args(args: argparse.Namespace) -> None:
+    """Refuse a replica count below 1, an unknown router, or a step trace of many replicas
+    (one JSONL stream records one scheduler's steps)."""
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.router not in ROUTERS:
+        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
+    if args.replicas > 1 and args.trace_out:
+        raise ValueError("--trace-out records one replica's steps: not with --replicas > 1")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_cluster_args(args)
     cal = Calibration.load(args.calibration) if args.calibration is not None else None
     if args.model is None:
         model = cal.model if cal is not None else get_model_spec("llama-3.1-8b")
@@ -210,16 +231,19 @@ def run(args: argparse.Namespace) -> int:
         warn_beyond(cost.tables, sched)
     workload = build_workload(args)
     check_fits(workload, sched, cache)
-    sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
-    try:
-        recorder = StepRecorder(keep_in_memory=False, sink=sink) if sink else None
-        result = simulate(
-            workload, sched, cache, cost, recorder=recorder,
-            progress=not args.no_progress and sys.stderr.isatty(),
-        )
-    finally:
-        if sink is not None:
-            sink.close()
+    progress = not args.no_progress and sys.stderr.isatty()
+    if args.replicas > 1:
+        result = simulate_cluster(workload, sched, cache, cost, num_replicas=args.replicas,
+                                  router=args.router, progress=progress)
+    else:
+        sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
+        try:
+            recorder = StepRecorder(keep_in_memory=False, sink=sink) if sink else None
+            result = simulate(workload, sched, cache, cost, recorder=recorder,
+                              progress=progress)
+        finally:
+            if sink is not None:
+                sink.close()
     m = result.metrics
     m["config"] = {
         "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
@@ -231,11 +255,15 @@ def run(args: argparse.Namespace) -> int:
     }
     s = m["scheduler"]
     extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
-    print(f"kvloop simulate: {model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
-          f"{len(workload)} requests from {args.trace or 'a synthetic workload'}")
+    fleet = f"{args.replicas} replicas of " if args.replicas > 1 else ""
+    print(f"kvloop simulate: {fleet}{model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
+          f"{len(workload)} requests from {args.trace or 'a synthetic workload'}"
+          f"{f', routed {args.router}' if args.replicas > 1 else ''}")
     o = cost.overhead
     print(f"cost model: {basis}: {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request")
     print(format_table(m, extra))
+    if args.replicas > 1:
+        print(format_replicas(m))
     note = load_note(m["load"])
     if note:
         print(note)

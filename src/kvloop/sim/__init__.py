@@ -4,6 +4,8 @@
   ShareGPT lengths), shipped compressed as package data, or a trace file of the same formats.
 - ``kvloop.sim.workloads``: synthetic workloads (Poisson or gamma arrivals, fixed, uniform
   or trace-drawn lengths, priority mixes).
+- ``kvloop.sim.driver``: the discrete-event loop (``simulate``: one engine); and
+  ``kvloop.sim.cluster``: N replicas behind a router on one timeline (``simulate_cluster``).
 - ``kvloop.sim.metrics``: TTFT, TPOT, ITL, e2e, queue time, throughput and goodput over
   finished requests, as defined in ARCHITECTURE.md.
 """

@@ -3,12 +3,17 @@
 Arrivals enter at their times, each step advances the clock by the predicted step time,
 and idle gaps are skipped. Each step is ``kvloop.core.loop.run_step`` with the scheduler the
 engine serves with, so the simulation runs the engine's loop, not a copy of it.
+
+One event loop (:func:`run_replicas`) drives any number of replicas, each a scheduler and a
+simulated executor on its own clock; :func:`simulate` is its one-replica case and
+``kvloop.sim.cluster.simulate_cluster`` routes arrivals across many.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,41 +66,169 @@ class _ClockedExecutor:
         return result
 
 
+class Replica:
+    """One simulated engine: a scheduler and a clocked simulated executor on its own clock.
+
+    It is also the executor ``run_step`` is given, so it sees the scheduler between
+    ``schedule()`` and ``update_from_output()`` and keeps the load of that moment: the load
+    the replica shows while the step is in flight.
+    """
+
+    def __init__(self, name: str, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 cost_model: CostModel, recorder: StepRecorder | None = None) -> None:
+        self.name = name
+        """The replica's id (what a router ranks)."""
+        self.clock = VirtualClock()
+        """The replica's time: its last step's end, or the arrival that woke it."""
+        self.scheduler = Scheduler(scheduler_config, cache_config, clock=self.clock,
+                                   recorder=recorder)
+        self.executor = _ClockedExecutor(
+            SimulatedExecutor(cost_model, cache_config.block_size), self.clock)
+        self.requests: list[Request] = []
+        """Every request routed here, in arrival order."""
+        self.pending: list[Request] = []
+        """Requests routed here while a step was in flight: they join its next step.
+        NOTE: empty whenever ``busy`` is False."""
+        self.busy = False
+        """Whether a step is in flight (its end is on the event heap)."""
+        self._in_flight: tuple[int, int, float] = (0, 0, 0.0)
+        """(queued, running, KV usage) as the step in flight was scheduled."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Executor protocol: note the load as scheduled, then run the step on the clock."""
+        self._in_flight = self._live_load()
+        return self.executor.execute(scheduler_output)
+
+    def _live_load(self) -> tuple[int, int, float]:
+        s = self.scheduler
+        return len(s.waiting) + len(s.swapped), len(s.running), s.kv.usage
+
+    def load(self) -> tuple[int, int, float]:
+        """(queued, running, KV usage) now. Queued counts waiting, swapped-out and pending
+        requests. While a step is in flight the scheduler already holds its results (the
+        step ran at its start), so this is the load as the step was scheduled instead."""
+        if not self.busy:
+            return self._live_load()
+        queued, running, usage = self._in_flight
+        return queued + len(self.pending), running, usage
+
+    def add(self, request: Request) -> None:
+        """Route ``request`` here: into the scheduler now when idle, else at the step's end."""
+        self.requests.append(request)
+        if self.busy:
+            self.pending.append(request)
+        else:
+            self.scheduler.add_request(request)
+
+
+def run_replicas(requests: Sequence[Request], replicas: Sequence[Replica],
+                 route: Callable[[Request], int], *, progress: bool = False) -> None:
+    """Run ``requests`` (sorted by arrival) on ``replicas`` to completion on one timeline.
+
+    The next event is the earliest of the next arrival and the end of each replica's step in
+    flight (a heap); an arrival at the same time as a step end comes first. Each arrival goes
+    to ``replicas[route(request)]``. A replica whose step ends takes the requests that came
+    meanwhile and starts its next step at once; an idle one starts when its arrivals (all
+    of those at that instant) are in. A step is one ``run_step``: scheduled at its start,
+    tokens stamped at its end (the replica's clock), results held back from view until then.
+    """
+    ends: list[tuple[float, int]] = []
+    """Heap of (step end, replica index) of the steps in flight."""
+    n, i = len(requests), 0
+    bar = tqdm(total=n, disable=not progress, unit="req", mininterval=0.5, leave=False)
+
+    def start(k: int) -> None:
+        rep = replicas[k]
+        sched = rep.scheduler
+        if not sched.requests:
+            return
+        unfinished = len(sched.requests)
+        step = run_step(sched, rep)
+        if step.error is not None:
+            raise step.error  # a simulated step cannot fail: this is a bug, not a fault
+        if progress:
+            bar.update(unfinished - len(sched.requests))
+        # NOTE: a step that ran nothing (everything waits on memory held by nobody) leaves
+        # the replica idle: only an arrival routed to it can change that.
+        if _ran(step.scheduler_output):
+            rep.busy = True
+            heapq.heappush(ends, (rep.clock.now, k))
+
+    while i < n or ends:
+        if i < n and (not ends or requests[i].arrival_time <= ends[0][0]):
+            now = requests[i].arrival_time
+            woken: list[int] = []
+            while i < n and requests[i].arrival_time <= now:
+                k = route(requests[i])
+                rep = replicas[k]
+                if not rep.busy:
+                    rep.clock.now = max(rep.clock.now, now)  # skip the idle gap
+                    if k not in woken:
+                        woken.append(k)
+                rep.add(requests[i])
+                i += 1
+            for k in sorted(woken):
+                start(k)
+        else:
+            _, k = heapq.heappop(ends)
+            rep = replicas[k]
+            rep.busy = False
+            for req in rep.pending:
+                rep.scheduler.add_request(req)
+            rep.pending.clear()
+            start(k)
+    bar.close()
+    if any(rep.scheduler.requests for rep in replicas):
+        raise RuntimeError("simulation stalled with work left and no arrivals")
+
+
 @dataclass
 class SimulationResult:
     """What a simulation produced: finished requests, scheduler totals and metrics."""
 
     requests: list[Request]
     scheduler: Scheduler
+    """The (first) replica's scheduler."""
     metrics: dict[str, Any]
     """Request-level metrics (``summarize_requests``) plus ``scheduler`` totals and ``load``
     (``kvloop.sim.load.load_summary``: arrival rate, utilisation, overload)."""
     wall_time_s: float
     """Real seconds the simulation took."""
     records: list = field(default_factory=list)
+    replicas: list[Replica] = field(default_factory=list)
+    """Every replica (one for ``simulate``)."""
 
 
-def scheduler_summary(scheduler: Scheduler) -> dict[str, Any]:
-    """Scheduler-level totals in the shape of the metrics JSON."""
-    st, kv = scheduler.stats, scheduler.kv
-    return {
-        "num_steps": st.num_steps,
-        "num_preemptions": st.num_preemptions,
-        "num_recompute_preemptions": st.num_recompute_preemptions,
-        "num_swap_preemptions": st.num_swap_preemptions,
-        "recomputed_tokens": st.num_recomputed_tokens,
-        "swapped_out_blocks": st.num_blocks_swapped_out,
-        "swapped_in_blocks": st.num_blocks_swapped_in,
-        "prefix_cache_queries": st.prefix_cache_queries,
-        "prefix_cache_hits": st.prefix_cache_hits,
-        "prefix_cache_hit_rate": (st.prefix_cache_hits / st.prefix_cache_queries
-                                  if st.prefix_cache_queries else 0.0),
-        "recompute_prefix_hits": st.recompute_prefix_hits,
-        "kv_usage_mean": st.kv_usage_mean,
-        "kv_usage_peak": st.kv_usage_peak,
-        "num_gpu_blocks": kv.num_gpu_blocks,
-        "num_cpu_blocks": kv.num_cpu_blocks,
-    }
+_TOTALS: dict[str, Callable[[Scheduler], int | float]] = {
+    "num_steps": lambda s: s.stats.num_steps,
+    "num_preemptions": lambda s: s.stats.num_preemptions,
+    "num_recompute_preemptions": lambda s: s.stats.num_recompute_preemptions,
+    "num_swap_preemptions": lambda s: s.stats.num_swap_preemptions,
+    "recomputed_tokens": lambda s: s.stats.num_recomputed_tokens,
+    "swapped_out_blocks": lambda s: s.stats.num_blocks_swapped_out,
+    "swapped_in_blocks": lambda s: s.stats.num_blocks_swapped_in,
+    "prefix_cache_queries": lambda s: s.stats.prefix_cache_queries,
+    "prefix_cache_hits": lambda s: s.stats.prefix_cache_hits,
+    "recompute_prefix_hits": lambda s: s.stats.recompute_prefix_hits,
+    "kv_usage_sum": lambda s: s.stats.kv_usage_sum,
+    "num_gpu_blocks": lambda s: s.kv.num_gpu_blocks,
+    "num_cpu_blocks": lambda s: s.kv.num_cpu_blocks,
+}
+"""Scheduler totals that add up over replicas."""
+
+
+def scheduler_summary(*schedulers: Scheduler) -> dict[str, Any]:
+    """Scheduler-level totals in the shape of the metrics JSON, over one scheduler or summed
+    over several (block pools too); KV usage mean over all their steps, peak the highest."""
+    t = {key: sum(get(s) for s in schedulers) for key, get in _TOTALS.items()}
+    steps, queries = t["num_steps"], t["prefix_cache_queries"]
+    out = {key: t[key] for key in list(_TOTALS)[:9]}
+    out["prefix_cache_hit_rate"] = t["prefix_cache_hits"] / queries if queries else 0.0
+    out["recompute_prefix_hits"] = t["recompute_prefix_hits"]
+    out["kv_usage_mean"] = t["kv_usage_sum"] / steps if steps else 0.0
+    out["kv_usage_peak"] = max(s.stats.kv_usage_peak for s in schedulers)
+    out["num_gpu_blocks"], out["num_cpu_blocks"] = t["num_gpu_blocks"], t["num_cpu_blocks"]
+    return out
 
 
 def to_request(w: WorkloadRequest) -> Request:
@@ -108,6 +241,24 @@ def to_request(w: WorkloadRequest) -> Request:
         priority=w.priority,
         tenant=w.tenant,
     )
+
+
+def to_requests(workload: Sequence[WorkloadRequest]) -> list[Request]:
+    """Scheduler requests of ``workload``, sorted by arrival (stable)."""
+    return sorted((to_request(w) for w in workload), key=lambda r: r.arrival_time)
+
+
+def run_metrics(requests: Sequence[Request], replicas: Sequence[Replica],
+                scheduler_config: SchedulerConfig, slo_ttft: float | None,
+                slo_tpot: float | None) -> dict[str, Any]:
+    """The metrics of a finished run: ``summarize_requests`` over all requests, ``scheduler``
+    totals over all replicas, and ``load`` with the mean busy time of a replica."""
+    metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                                 tenant_weights=dict(scheduler_config.tenant_weights))
+    metrics["scheduler"] = scheduler_summary(*(rep.scheduler for rep in replicas))
+    busy = sum(rep.executor.busy_s for rep in replicas) / len(replicas)
+    metrics["load"] = load_summary(requests, busy, metrics["duration"])
+    return metrics
 
 
 def simulate(
@@ -133,44 +284,17 @@ def simulate(
     if slo_tpot is None:
         slo_tpot = scheduler_config.slo_tpot
     started = time.perf_counter()
-    clock = VirtualClock()
-    scheduler = Scheduler(scheduler_config, cache_config, clock=clock, recorder=recorder)
-    executor = _ClockedExecutor(SimulatedExecutor(cost_model, cache_config.block_size), clock)
-    requests = sorted((to_request(w) for w in workload), key=lambda r: r.arrival_time)
-    n = len(requests)
-    i = 0
-    bar = tqdm(total=n, disable=not progress, unit="req", mininterval=0.5, leave=False)
-    while i < n or scheduler.requests:
-        while i < n and requests[i].arrival_time <= clock.now:
-            scheduler.add_request(requests[i])
-            i += 1
-        if not scheduler.requests:
-            if i < n:
-                clock.now = requests[i].arrival_time  # skip the idle gap
-            continue
-        unfinished = len(scheduler.requests)
-        step = run_step(scheduler, executor)
-        if step.error is not None:
-            raise step.error  # a simulated step cannot fail: this is a bug, not a fault
-        if progress:
-            bar.update(unfinished - len(scheduler.requests))
-        if not _ran(step.scheduler_output):
-            # Nothing could run (e.g. everything waits on memory held by nobody): only
-            # arrivals can change that, so jump to the next one.
-            if i >= n:
-                raise RuntimeError("simulation stalled with work left and no arrivals")
-            clock.now = max(clock.now, requests[i].arrival_time)
-    bar.close()
-    metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
-                                 tenant_weights=dict(scheduler_config.tenant_weights))
-    metrics["scheduler"] = scheduler_summary(scheduler)
-    metrics["load"] = load_summary(requests, executor.busy_s, metrics["duration"])
+    replica = Replica("r0", scheduler_config, cache_config, cost_model, recorder)
+    requests = to_requests(workload)
+    run_replicas(requests, [replica], lambda _: 0, progress=progress)
+    metrics = run_metrics(requests, [replica], scheduler_config, slo_ttft, slo_tpot)
     wall = time.perf_counter() - started
     metrics["wall_time_s"] = wall
     return SimulationResult(
         requests=requests,
-        scheduler=scheduler,
+        scheduler=replica.scheduler,
         metrics=metrics,
         wall_time_s=wall,
         records=recorder.records if recorder is not None else [],
+        replicas=[replica],
     )
