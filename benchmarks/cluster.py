@@ -1,4 +1,4 @@
-"""Replicas behind a router (issue 14's proof): simulated clusters, and (later) real ones.
+"""Replicas behind a router (issue 14's proof): simulated clusters, and real ones here.
 
 ``--part sim``: ``kvloop simulate --replicas N --router NAME`` on the shipped Mooncake and
 Azure conversation traces, N = 4, 8 and 16 replicas of Llama-3.1-8B on one H100 each (the
@@ -27,6 +27,9 @@ test applied to it: which router wins p99 TTFT depends on the load.
 
 Writes the tables, the target and ``docs/img/cluster_sim.png`` into ``docs/cluster.md``
 between ``<!-- sim:begin -->`` and ``<!-- sim:end -->`` (the rest of the page is kept).
+
+``--part real``: 1 vs 2 Ray replicas of the default model on this machine at saturation
+(``benchmarks/cluster_real.py``), between ``<!-- real:begin -->`` and ``<!-- real:end -->``.
 
     python benchmarks/cluster.py --part sim [--jobs 2] [--replicas 4 8 16]
         [--traces mooncake azure-conv] [--num-requests N] [--json PATH] [--no-docs]
@@ -270,9 +273,16 @@ def sim(args: argparse.Namespace) -> None:
 
 
 def real(args: argparse.Namespace) -> None:
-    """1 vs 2 real replicas with ``kvloop bench serve``."""
-    # NOTE: a placeholder: the owner of the Ray Serve side replaces this function.
-    raise SystemExit("--part real: not written yet")
+    """1 vs 2 real replicas with ``kvloop bench serve`` (``benchmarks/cluster_real.py``),
+    written into docs/cluster.md between the ``real`` markers unless ``--no-docs``."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cluster_real
+
+    defaults = argparse.ArgumentParser()
+    cluster_real.add_args(defaults)
+    real_args = defaults.parse_args([])
+    real_args.docs = None if args.no_docs else str(DOC)
+    cluster_real.real(real_args)
 
 
 def main(argv: list[str] | None = None) -> int:

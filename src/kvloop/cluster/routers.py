@@ -124,7 +124,7 @@ class KVAwareRouter(Router):
 
     name = "kv-aware"
 
-    def __init__(self, *, cache_blocks: int = 100_000, load_penalty: float = 0.5,
+    def __init__(self, *, cache_blocks: int = 100_000, load_penalty: float = 1.0,
                  imbalance: int = 16) -> None:
         if cache_blocks < 1:
             raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")
@@ -135,7 +135,10 @@ class KVAwareRouter(Router):
         self.cache_blocks = cache_blocks
         """Index entries kept per replica (LRU)."""
         self.load_penalty = load_penalty
-        """Weight of the relative load against the matched fraction of the prompt."""
+        """Weight of the relative load against the matched fraction of the prompt. At 1 a
+        whole prompt cached on the busiest replica ties with nothing cached on an idle one
+        (with 0.5 p99 TTFT fell behind least-loaded's on Mooncake at light load,
+        docs/cluster.md)."""
         self.imbalance = imbalance
         """Extra requests over the least loaded replica that make the winner spill."""
         self._holders: dict[bytes, set[str]] = {}

@@ -1,0 +1,93 @@
+"""Decode steps against the memory floor: how far a decode step of the default model is from
+streaming its weights once.
+
+A decode step must read every weight once, so its time cannot be below
+``weight bytes / read bandwidth``. The bandwidth is measured here (the best of several
+full reads of a 1 GiB tensor with torch's threads), the step time by running ``batch``
+requests (128-token prompts, outputs forced to 64 tokens) through ``LLMEngine`` and
+timing every step in which all of them decode. Printed per batch: the floor, the median
+decode step, their ratio, and tokens per second. Issue 15's target is a ratio <= 1.25.
+
+    python benchmarks/decode_floor.py [--batches 1,8,32] [--model default] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvloop.engine.args import EngineArgs
+from kvloop.engine.llm_engine import LLMEngine
+from kvloop.executor.torch.profiler import device_name
+from kvloop.sampling_params import SamplingParams
+
+PROMPT_LEN = 128
+OUTPUT_LEN = 64
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second of the fastest of ``repeats`` full reads (a sum) of ``nbytes``."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()  # NOTE: touch every page before timing
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def decode_steps(engine: LLMEngine, batch: int, seed: int) -> list[float]:
+    """Seconds of every step in which all ``batch`` requests decode."""
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True, temperature=0)
+    vocab = engine.executor.model_config.vocab_size
+    for _ in range(batch):
+        ids = torch.randint(10, vocab - 10, (PROMPT_LEN,), generator=g).tolist()
+        engine.add_request(None, {"prompt_token_ids": ids}, params)
+    times = []
+    while engine.has_unfinished_requests():
+        running = engine.stats().num_running
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        sched = engine.scheduler.stats
+        if running == batch and len(outs) == batch and all(
+                len(o.new_token_ids) == 1 for o in outs) and sched.num_steps > 1:
+            times.append(dt)
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype,
+                                            max_num_seqs=max(batches),
+                                            max_num_batched_tokens=4096))
+    nbytes = engine.executor.model.num_parameter_bytes  # tied head counted once
+    bandwidth = read_bandwidth()
+    floor = nbytes / bandwidth
+    dtype = str(engine.executor.dtype).removeprefix("torch.")
+    print(f"# {device_name(torch.device('cpu'))}; {args.model} ({dtype}): weights "
+          f"{nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
+          f"{floor * 1000:.1f} ms per step")
+    decode_steps(engine, 1, seed=99)  # NOTE: warm-up (first-call allocations)
+    print("| batch | floor ms | decode step ms (median) | step / floor | tok/s |")
+    print("|---|---|---|---|---|")
+    for b in batches:
+        times = decode_steps(engine, b, seed=b)
+        step = statistics.median(times)
+        print(f"| {b} | {floor * 1000:.1f} | {step * 1000:.1f} | {step / floor:.2f} | "
+              f"{b / step:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
