@@ -57,7 +57,11 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
     from ray import serve
 
     from kvloop.cluster.ray_serve import build_app
+    from kvloop.engine.model_source import resolve_model
 
+    # NOTE: before Ray starts: a bad --model is one line here, not N replica constructors
+    # failing and retried; a GGUF is converted once, not by every replica at the same time.
+    resolve_model(engine_args.model)
     cpus = os.cpu_count() or 1
     threads = args.threads_per_replica or max(1, cpus // args.replicas)
     started_ray = args.ray_address is None

@@ -434,6 +434,7 @@ def build_app(engine_args: EngineArgs, server_config: Any, *, replicas: int,
         ray_actor_options=actor,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         health_check_period_s=5,
+        max_constructor_retry_count=2,
         request_router_config=RequestRouterConfig(
             request_router_class=KvloopRequestRouter,
             request_router_kwargs={"router": router, **(router_kwargs or {})},
