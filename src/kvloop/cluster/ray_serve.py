@@ -132,8 +132,11 @@ class EngineReplica:
                 "block_size": self.engine.scheduler.cache_config.block_size,
                 "num_gpu_blocks": self.engine.scheduler.cache_config.num_gpu_blocks}
 
-    async def generate(self, routed: RoutedRequest) -> AsyncIterator[RequestOutput | Failure]:
-        """Run one request; yields its outputs, or ends with a ``Failure``."""
+    async def generate(self, routed: RoutedRequest
+                       ) -> AsyncIterator[list[RequestOutput] | Failure]:
+        """Run one request; yields its outputs in lists (each with every output queued by
+        then: one Ray item per wake-up, not per token, when the loop falls behind), or
+        ends with a ``Failure``."""
         self._start()
         self.num_received += 1
         eng = self.async_engine
@@ -151,7 +154,10 @@ class EngineReplica:
             return
         try:
             async for out in stream:
-                yield out
+                outs = [out]
+                while stream.ready:
+                    outs.append(await anext(stream))
+                yield outs
         except RequestAbortedError as exc:
             yield Failure("aborted", str(exc), exc.status)
         except ValueError as exc:
@@ -327,8 +333,12 @@ class ClusterEngine:
             async for item in gen:
                 if ended:
                     continue
-                failure = _field(item, "kind") is not None
-                ended = stream.put(item.exception() if failure else item) or failure
+                if _field(item, "kind") is not None:  # a Failure
+                    stream.put(item.exception())
+                    ended = True
+                    continue
+                for out in item:
+                    ended = stream.put(out)
             if not ended:
                 stream.put(RequestAbortedError("the replica ended the stream early", 500))
         except asyncio.CancelledError:

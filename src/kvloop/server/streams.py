@@ -53,6 +53,11 @@ class RequestStream:
             self._unfinished_in -= 1
         return self._unfinished_in <= 0
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next item is already queued (``__anext__`` will not wait)."""
+        return not self.finished and not self._queue.empty()
+
     def __aiter__(self) -> RequestStream:
         return self
 
