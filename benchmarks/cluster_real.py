@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,9 @@ import httpx
 
 from kvloop.bench import ServeBenchConfig, run_bench
 
+sys.path.insert(0, str(Path(__file__).parent))
+from policies_engine import cpu_name, free_port
+
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "1 engine, no Ray, 1 thread": ([], {"OMP_NUM_THREADS": "1"}),
     "1 engine, no Ray, 2 threads": ([], {"OMP_NUM_THREADS": "2"}),
@@ -37,20 +39,6 @@ CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 """Label -> ``kvloop serve`` flags and environment."""
 BEGIN, END = "<!-- real:begin -->", "<!-- real:end -->"
-
-
-def _cpu() -> str:
-    import torch
-
-    from kvloop.executor.torch.profiler import device_name
-
-    return device_name(torch.device("cpu"))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(flags: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
@@ -73,7 +61,7 @@ def _serve(flags: list[str], env: dict[str, str], port: int) -> subprocess.Popen
 
 def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
     flags, env = CONFIGS[label]
-    port = _port()
+    port = free_port()
     proc = _serve(flags, env, port)
     try:
         cfg = ServeBenchConfig(
@@ -133,7 +121,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def real(args: argparse.Namespace) -> int:
     """Run every configuration, print the table, optionally write JSON and docs."""
-    cpu = _cpu()
+    cpu = cpu_name()
     head = (f"Measured on {cpu}: {args.num_prompts} requests of {args.input_len} prompt "
             f"tokens (random ids) and {args.output_len} forced output tokens, "
             f"{args.concurrency} in flight, default model (fp32).")

@@ -45,7 +45,8 @@ CONFIGS: dict[str, list[str]] = {
 TENANT_MIX = "0.6,0.1,0.1,0.1,0.1"
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
+    """This machine's CPU as the profiler names it (model, vector extensions, threads)."""
     import torch
 
     from kvloop.executor.torch.profiler import device_name
@@ -53,7 +54,8 @@ def _cpu() -> str:
     return device_name(torch.device("cpu"))
 
 
-def _port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -86,7 +88,7 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
-    port = _port()
+    port = free_port()
     flags = [*CONFIGS[label], "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
              "--num-gpu-blocks", str(args.num_gpu_blocks)]
     proc = _serve(flags, port)
@@ -146,7 +148,7 @@ def main() -> int:
     unknown = set(labels) - set(CONFIGS)
     if unknown:
         p.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
-    print(f"# {_cpu()}; {args.num_prompts} requests at {args.rate} req/s, tenants {TENANT_MIX},"
+    print(f"# {cpu_name()}; {args.num_prompts} requests at {args.rate} req/s, tenants {TENANT_MIX},"
           f" SLO TTFT {args.slo_ttft} s / TPOT {args.slo_tpot} s, {args.num_gpu_blocks} KV "
           "blocks", flush=True)
     rows = []
@@ -166,7 +168,7 @@ def main() -> int:
               f"{_fmt(r['heavy_share'])} | {r['preemptions']:.0f} | "
               f"{r['recomputed_tokens']:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": _cpu(), "args": vars(args), "rows": rows},
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "args": vars(args), "rows": rows},
                                               indent=1))
     return 0
 
