@@ -148,8 +148,14 @@ def test_metrics_carry_one_series_per_replica(cluster: Cluster) -> None:
     assert len(running) == 2
 
 
-def test_shutdown_leaves_no_ray_process(cluster: Cluster) -> None:
+def test_shutdown_drains_then_leaves_no_ray_process(cluster: Cluster) -> None:
+    stream = cluster.client.completions.create(
+        model=MODEL_NAME, prompt="hello", max_tokens=200, stream=True, temperature=0,
+        extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # the request runs on a replica
     cluster.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)  # NOTE: drained: it runs to its end, not cut off
+    assert first.choices and rest[-1].choices[0].finish_reason == "length"
     assert cluster.proc.wait(timeout=90) == 0
     deadline = time.monotonic() + 30
     while (stray := _ray_pids() - cluster.before) and time.monotonic() < deadline:

@@ -25,8 +25,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas on Ray Serve behind one endpoint "
                    "(default: one engine in this process, no Ray)")
-    g.add_argument("--router", choices=list(ROUTERS), default="kv-aware",
-                   help="how requests are spread over the replicas (default: %(default)s)")
+    g.add_argument("--router", default="kv-aware", metavar="NAME",
+                   help=f"how requests are spread over the replicas: {', '.join(ROUTERS)} "
+                   "(kv-aware: the replica holding most of the prompt's leading KV blocks, "
+                   "minus a load penalty) (default: %(default)s)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of "
                    "starting a local one (default: a local Ray for this server)")
@@ -47,8 +49,25 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     if args.num_gpus_per_replica < 0:
         raise ValueError("--num-gpus-per-replica must be >= 0")
+    if args.router not in ROUTERS:
+        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
     if args.trace_out:
         raise ValueError("--trace-out records one engine's steps: not with --replicas")
+
+
+def check_resources(args: argparse.Namespace, threads: int) -> None:
+    """``ValueError`` when the Ray cluster cannot place the replicas at all (Ray would wait
+    for them forever)."""
+    import ray
+
+    have = ray.cluster_resources()
+    need = {"GPU": args.num_gpus_per_replica * args.replicas,
+            "CPU": 0.0 if args.num_gpus_per_replica else float(threads * args.replicas)}
+    for kind, amount in need.items():
+        if amount > have.get(kind, 0.0):
+            flag = "--num-gpus-per-replica" if kind == "GPU" else "--threads-per-replica"
+            raise ValueError(f"{args.replicas} replicas need {amount:g} {kind}s but the Ray "
+                             f"cluster has {have.get(kind, 0.0):g}: lower --replicas or {flag}")
 
 
 def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any) -> int:
@@ -75,6 +94,7 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        check_resources(args, threads)
         serve.start(http_options={"host": args.host, "port": args.port})
         app = build_app(engine_args, server_config, replicas=args.replicas,
                         router=args.router, threads=threads,
@@ -89,6 +109,11 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
               f"on {where}, router {args.router}; http://{host}:{args.port}",
               file=sys.stderr, flush=True)
         stop.wait()
+        # NOTE: as a single `kvloop serve`: 503 to new requests, running ones finish.
+        left = serve.get_app_handle(APP_NAME).drain.remote(args.shutdown_timeout).result(
+            timeout_s=args.shutdown_timeout + 30)
+        print(f"kvloop serve: stopped{f' ({left} requests aborted)' if left else ''}",
+              file=sys.stderr, flush=True)
     finally:
         try:
             serve.delete(APP_NAME) if not started_ray else serve.shutdown()

@@ -10,6 +10,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from kvloop.cli.simulate import check_cluster_args
 from kvloop.cli.simulate import register as register_simulate
 
 MAX_CONFIGS = 1000
@@ -146,7 +147,8 @@ def build_sweep(grid: list[str], fixed: list[str]) -> Sweep:
         argv = [*fixed, *(t for (_, _, tokens), k in picked for t in tokens[k])]
         try:
             ns = top.parse_args(["simulate", *argv])
-        except _Refused as exc:
+            check_cluster_args(ns)
+        except (_Refused, ValueError) as exc:
             what = " ".join(f"{n}={v}" for n, v in values.items())
             raise ValueError(f"configuration {index + 1} of {total} ({what}): "
                              f"{str(exc).strip()}") from None

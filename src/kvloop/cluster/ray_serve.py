@@ -412,10 +412,12 @@ class Ingress:
         args = self.engine_args
         path = resolve_model(args.model)
         tokenizer = None if args.skip_tokenizer_init else Tokenizer(path)
-        engine = ClusterEngine(self.engines, info["limits"], tokenizer,
-                               info["default_sampling"] or default_sampling_fields(
-                                   args.generation_config, path, model=args.model),
-                               info["block_size"])
+        self.engine = engine = ClusterEngine(self.engines, info["limits"], tokenizer,
+                                             info["default_sampling"] or
+                                             default_sampling_fields(
+                                                 args.generation_config, path,
+                                                 model=args.model),
+                                             info["block_size"])
         handle = self.engines
 
         async def render() -> bytes:
@@ -423,6 +425,19 @@ class Ingress:
 
         return create_app(engine, ServerMetrics(self.server_config.served_model_name),
                           self.server_config, render_metrics=render)
+
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests (503, ``/health`` too) and wait up to ``timeout`` seconds for
+        those in flight to finish; returns how many were still running (then aborted)."""
+        engine = self.engine
+        engine.draining = True
+        deadline = time.monotonic() + timeout
+        while engine.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        left = engine.num_active
+        engine.abort_all()
+        return left
 
 
 def build_app(engine_args: EngineArgs, server_config: Any, *, replicas: int,
