@@ -13,22 +13,16 @@ machine's absolute speed drifts). Run directly or as ``benchmarks/cluster.py --p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvloop.bench import ServeBenchConfig, run_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from policies_engine import cpu_name, free_port
+from policies_engine import cpu_name, free_port, serve_default
 
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "1 engine, no Ray, 1 thread": ([], {"OMP_NUM_THREADS": "1"}),
@@ -41,41 +35,16 @@ CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
 BEGIN, END = "<!-- real:begin -->", "<!-- real:end -->"
 
 
-def _serve(flags: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvloop.cli", "serve", "--model", "default", "--port",
-           str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"},
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvloop serve {' '.join(flags)} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError("kvloop serve did not become healthy in 300 s")
-
-
 def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
     flags, env = CONFIGS[label]
     port = free_port()
-    proc = _serve(flags, env, port)
-    try:
+    with serve_default(flags, port, env):
         cfg = ServeBenchConfig(
             base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
             max_concurrency=args.concurrency, random_input_len=args.input_len,
             random_output_len=args.output_len, ignore_eos=True, seed=args.seed,
             progress=False)
         report = run_bench(cfg)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=90)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     s = report["summary"]
     return {"config": label, "completed": s["completed"], "errors": report["errors"],
             "output_throughput": s["output_throughput"],

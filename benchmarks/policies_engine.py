@@ -21,11 +21,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,20 +65,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(flags: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvloop.cli", "serve", "--model", "default", "--port", str(port),
-           *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvloop serve exited: {proc.stderr.read()[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("kvloop serve did not become healthy in 180 s")
+@contextlib.contextmanager
+def serve_default(flags: list[str], port: int, env: dict[str, str] | None = None
+           ) -> Iterator[subprocess.Popen]:
+    """``kvloop serve --model default --port PORT FLAGS`` (with ``env`` added), once healthy;
+    stopped with SIGTERM on leaving (its whole process group killed if it lingers: a
+    ``--replicas`` server owns Ray's processes). Its stderr goes to a temporary file (Ray
+    logs a lot: a pipe nobody reads would fill and stall it), quoted when it fails."""
+    cmd = [sys.executable, "-m", "kvloop.cli", "serve", "--model", "default", "--port",
+           str(port), *flags]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                env={**os.environ, **(env or {}),
+                                     "RAY_USAGE_STATS_ENABLED": "0"},
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"kvloop serve {' '.join(flags)} did not become "
+                                       f"healthy: {log.read()[-2000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health",
+                                 timeout=2).status_code == 200:
+                        break
+                time.sleep(0.5)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=90)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -91,8 +115,7 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     flags = [*CONFIGS[label], "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
              "--num-gpu-blocks", str(args.num_gpu_blocks)]
-    proc = _serve(flags, port)
-    try:
+    with serve_default(flags, port):
         cfg = ServeBenchConfig(
             base_url=f"http://127.0.0.1:{port}", num_prompts=args.num_prompts,
             request_rate=args.rate, random_input_len=args.input_len,
@@ -101,12 +124,6 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
             goodput={"ttft": args.slo_ttft, "tpot": args.slo_tpot})
         report = run_bench(cfg)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        if proc.poll() is None:
-            proc.kill()
     s = report["summary"]
     tenants = s.get("tenants") or {}
     served = sum(t["service_tokens"] for t in tenants.values()) or 1
