@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from kvloop.cluster.routers import ROUTERS
+from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS
 
 APP_NAME = "kvloop"
 
@@ -25,7 +25,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas on Ray Serve behind one endpoint "
                    "(default: one engine in this process, no Ray)")
-    g.add_argument("--router", default="kv-aware", metavar="NAME",
+    g.add_argument("--router", default=DEFAULT_ROUTER, metavar="NAME",
                    help=f"how requests are spread over the replicas: {', '.join(ROUTERS)} "
                    "(kv-aware: the replica holding most of the prompt's leading KV blocks, "
                    "minus a load penalty) (default: %(default)s)")

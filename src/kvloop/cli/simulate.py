@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from kvloop.cli.args import add_scheduler_args, scheduler_args_from
-from kvloop.cluster.routers import ROUTERS
+from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--replicas", type=int, default=1,
                    help="replicas of this configuration behind one router, on one virtual "
                    "clock; above 1 the summary gains per-replica rows and cluster lines")
-    c.add_argument("--router", default="round-robin", metavar="NAME",
+    c.add_argument("--router", default=DEFAULT_ROUTER, metavar="NAME",
                    help=f"how arrivals pick a replica: {', '.join(ROUTERS)} (the routers "
                    "`kvloop serve --replicas` uses; no effect with one replica)")
     add_scheduler_args(p, max_num_batched_tokens=8192)

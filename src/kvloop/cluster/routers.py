@@ -211,6 +211,9 @@ ROUTERS: dict[str, Callable[..., Router]] = {
     KVAwareRouter.name: KVAwareRouter,
 }
 """Router names (the ``--router`` choices) to their classes."""
+DEFAULT_ROUTER = KVAwareRouter.name
+"""The router of ``kvloop serve --replicas`` and ``kvloop simulate --replicas`` unless
+``--router`` names another (one default, so a simulation predicts the served fleet)."""
 
 
 def make_router(name: str, **kwargs: object) -> Router:
