@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 import pytest
 
 from kvloop.cli import main
-from kvloop.cli.sweep import make_row
+from kvloop.cli.sweep import format_rows, make_row
 from kvloop.cli.sweep_grid import Config, build_sweep
-from kvloop.viz.pareto import mark_pareto, pareto_mask
+from kvloop.viz import pareto
+from kvloop.viz.pareto import Panel, mark_pareto, pareto_figure, pareto_mask
 
 # -- the grid, checked before any Ray work ------------------------------------------------
 
@@ -91,6 +93,84 @@ def test_rows_take_the_cluster_keys_when_present() -> None:
         "cluster.imbalance": 1.2, "cluster.prefix_cache_hit_rate": 0.4,
         "cluster.load.busy_max": 3.0}
     assert make_row(config, None, [], "boom")["error"] == "boom"
+
+
+def _metrics(replicas: int, tok_s: float, hit: float) -> dict[str, Any]:
+    """simulate's JSON, the keys the sweep reads; ``cluster`` only with replicas."""
+    m: dict[str, Any] = {"completed": 10, "failed": 0, "output_throughput": tok_s,
+                         "request_throughput": 1.0, "goodput": 0.5 * replicas,
+                         "ttft": {"p50": 0.1, "p99": 1.0 / replicas}, "tpot": {"p50": 0.01},
+                         "scheduler": {"prefix_cache_hit_rate": hit}, "slo_ttft": 2.0}
+    if replicas > 1:
+        m["cluster"] = {"router": "kv-aware", "num_replicas": replicas,
+                        "prefix_cache_hit_rate": hit, "imbalance": 1.25}
+    return m
+
+
+def _console(grid: list[str], fixed: list[str]) -> list[list[str]]:
+    """format_rows' table of a made-up run of the grid, split into cells."""
+    sweep = build_sweep(grid, fixed)
+    rows = []
+    for c in sweep.configs:
+        replicas = int(c.values.get("replicas", fixed[fixed.index("--replicas") + 1]
+                                    if "--replicas" in fixed else 1))
+        rows.append(make_row(c, _metrics(replicas, 100.0 + c.index, 0.125), []))
+    mark_pareto(rows)
+    return [re.split(r"\s{2,}", line.strip()) for line in format_rows(sweep, rows).splitlines()]
+
+
+def test_the_console_table_shows_each_quantity_once() -> None:
+    table = _console(["replicas=1,2", "router=round-robin,kv-aware"], ["--num-requests", "5"])
+    head = table[0]
+    assert head == ["#", "replicas", "router", "GPUs", "out tok/s", "TTFT p50 s", "TTFT p99 s",
+                    "TPOT p50 ms", "goodput/s", "prefix hit %", "preempt", "imbalance",
+                    "pareto T", "pareto G", "error"]
+    assert [line[:3] for line in table[1:]] == [
+        ["1", "1", "round-robin"], ["2", "1", "kv-aware"], ["3", "2", "round-robin"],
+        ["4", "2", "kv-aware"]]
+    assert table[3][head.index("prefix hit %")] == "12.5"
+    assert table[3][head.index("imbalance")] == "1.250"
+    assert table[1][head.index("imbalance")] == "-"  # one replica: no cluster numbers
+    # replicas fixed after --: the cluster's count is the one replicas column
+    head = _console(["router=round-robin,kv-aware"], ["--replicas", "4"])[0]
+    assert head.count("replicas") == 1 and head.index("replicas") > head.index("preempt")
+    assert len(set(head)) == len(head)
+    assert not {"num_replicas", "prefix_cache_hit_rate"} & set(head)
+
+
+def test_every_pareto_point_is_marked_and_keyed() -> None:
+    # 1, 2: the front; 3 tied with 1; 4 dominated right next to 2; 5, 6 dominated, apart
+    xs, ys = [1.0, 2.0, 1.0, 2.02, 5.0, 9.0], [10.0, 20.0, 10.0, 19.9, 4.0, 15.0]
+    labels = [f"config-{k}" for k in "abcdef"]
+    ids = ["1", "2", "3", "4", "7", "9"]
+    fig = pareto_figure([Panel(xs, ys, "x", "y", "t"), Panel(xs, ys, "x", "y", "u")],
+                        labels, "title", ids, key_title="key")
+    for ax in fig.axes:
+        texts = [t.get_text() for t in ax.texts]
+        assert sorted(n for t in texts for n in re.findall(r"#(\d+)", t)) == sorted(ids)
+        assert "#1 config-a (tied: #3)" in texts and "#2 config-b (near: #4)" in texts
+        assert "#7" in texts and "#9" in texts
+    key = next(t.get_text() for t in fig.texts if t.get_gid() == "pareto-key")
+    assert key.splitlines()[0] == "key"
+    assert all(f"#{i} {label}" in key for i, label in zip(ids, labels, strict=True))
+    many = [str(k) for k in range(pareto.KEY_MAX + 1)]
+    assert "too many to list" in pareto._key(many, many, "")
+
+
+def test_sweep_png_marks_points_by_row_number(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(pareto, "plot_pareto",
+                        lambda panels, labels, path, title, **kw: seen.update(labels=labels, **kw))
+    rows = [{"error": "", "gpus": 1, "ttft_p99_s": 1.0, "output_tok_s": 10.0,
+             "goodput_req_s": 1.0, "slo_ttft_s": None, "slo_tpot_s": None},
+            {"error": "failed", "gpus": 1, "ttft_p99_s": None, "output_tok_s": None,
+             "goodput_req_s": None, "slo_ttft_s": None, "slo_tpot_s": None},
+            {"error": "", "gpus": 2, "ttft_p99_s": 2.0, "output_tok_s": 5.0,
+             "goodput_req_s": 1.5, "slo_ttft_s": None, "slo_tpot_s": None}]
+    mark_pareto(rows)
+    assert pareto.plot_sweep(rows, ["a", "b", "c"], str(tmp_path / "p.png"))
+    assert seen["labels"] == ["a", "c"] and seen["ids"] == ["1", "3"]
 
 
 def test_pareto_mask() -> None:

@@ -149,11 +149,54 @@ def test_cli_cluster_json_and_table(tmp_path, capsys):
                "--json", str(out), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "Replicas" in text and "Load imbalance" in text and "r2" in text
+    assert "per replica (router: least-loaded)" in text and "r2" in text
+    assert "Load imbalance, max/mean busy time" in text
     m = json.loads(out.read_text())
     assert m["cluster"]["router"] == "least-loaded" and m["cluster"]["num_replicas"] == 3
     assert [row["replica"] for row in m["replicas"]] == ["r0", "r1", "r2"]
     assert sum(row["requests"] for row in m["replicas"]) == 60 == m["completed"]
+
+
+_KINDS = (", total", "mean over replicas", "max over replicas", "whole cluster", "max/mean")
+"""What a cluster summary line says about how it aggregates the replicas."""
+
+
+def _section(lines: list[str], title: str) -> dict[str, str]:
+    """The label -> value lines of the summary section headed ``--- title ---``."""
+    start = next(i for i, line in enumerate(lines) if f" {title} " in line) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith(("-", "=")))
+    return dict(line.split(":", 1) for line in lines[start:end])
+
+
+def test_cli_cluster_summary_says_how_each_line_aggregates(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    rc = main(["simulate", "--num-requests", "60", "--request-rate", "50", "--prompt-len",
+               "64:512", "--output-len", "4:32", "--replicas", "3", "--router", "kv-aware",
+               "--num-gpu-blocks", "700", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    m = json.loads(out.read_text())
+    assert any("Serving Benchmark Result: whole cluster" in line for line in lines)
+    load, sched = _section(lines, "Load"), _section(lines, "Scheduler: 3 replicas")
+    for label in [*load, *sched]:
+        if label != "Simulation wall time (s)":
+            assert any(kind in label for kind in _KINDS), label
+    # the hit rate once (the per-replica table has its own column), and as the cluster's
+    assert sum("hit rate" in line.lower() for line in lines) == 1
+    rate = m["cluster"]["prefix_cache_hit_rate"]
+    assert sched["Prefix cache hit rate, whole cluster"].strip() == f"{100 * rate:.1f}%"
+    # summed lines are the sums of the replicas', averaged lines the means
+    assert sched["KV blocks (device / host), total"].split()[0] == str(3 * 700)
+    assert int(sched["Steps, total"]) == sum(row["num_steps"] for row in m["replicas"])
+    busy = sum(row["busy_time"] for row in m["replicas"]) / 3
+    assert load["Engine busy, mean over replicas"].strip() == \
+        f"{100 * busy / m['duration']:.1f}%"
+    assert sched["Load imbalance, max/mean busy time"].strip() == \
+        f"{m['cluster']['imbalance']:.3f}"
+    title = next(i for i, line in enumerate(lines) if "per replica (router: kv-aware)" in line)
+    assert lines[title + 1].split() == ["Replica", "Reqs", "Hit", "Busy", "s", "TTFT",
+                                        "p50/p99", "ms", "Preem"]
+    assert [line.split()[0] for line in lines[title + 2:title + 5]] == ["r0", "r1", "r2"]
 
 
 def test_cli_one_replica_output_unchanged(tmp_path, capsys):
@@ -162,7 +205,9 @@ def test_cli_one_replica_output_unchanged(tmp_path, capsys):
             "--json", str(out), "--no-progress"]
     assert main([*args, "--replicas", "1", "--router", "kv-aware"]) == 0
     text = capsys.readouterr().out
-    assert "Replicas" not in text and "replicas" not in json.loads(out.read_text())
+    assert "per replica" not in text and "replicas" not in json.loads(out.read_text())
+    assert "Prefix cache hit rate:" in text and "KV usage (mean / peak):" in text
+    assert not any(kind in text for kind in _KINDS)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

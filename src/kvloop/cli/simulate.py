@@ -27,7 +27,7 @@ from kvloop.executor.simulated import (
 )
 from kvloop.executor.simulated.calibration import Calibration
 from kvloop.executor.simulated.tables import StepTables
-from kvloop.sim.cluster import format_replicas, simulate_cluster
+from kvloop.sim.cluster import format_cluster, simulate_cluster
 from kvloop.sim.driver import simulate
 from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
@@ -88,7 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1,
                    help="replicas of this configuration behind one router, on one virtual "
-                   "clock; above 1 the summary gains per-replica rows and cluster lines")
+                   "clock; above 1 the summary says of each line whether it is a cluster total, a "
+                   "mean over replicas or a ratio, and gains a per-replica table")
     c.add_argument("--router", default=DEFAULT_ROUTER, metavar="NAME",
                    help=f"how arrivals pick a replica: {', '.join(ROUTERS)} (the routers "
                    "`kvloop serve --replicas` uses; no effect with one replica)")
@@ -253,17 +254,18 @@ def run(args: argparse.Namespace) -> int:
         "scheduler": vars(sched) | {"prefill_chunk_cap": sched.prefill_chunk_cap},
         "cache": vars(cache),
     }
-    s = m["scheduler"]
-    extra = scheduler_rows(s) | {"Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
     fleet = f"{args.replicas} replicas of " if args.replicas > 1 else ""
     print(f"kvloop simulate: {fleet}{model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}"
           f"{f', routed {args.router}' if args.replicas > 1 else ''}")
     o = cost.overhead
     print(f"cost model: {basis}: {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request")
-    print(format_table(m, extra))
     if args.replicas > 1:
-        print(format_replicas(m))
+        print(format_cluster(m, result.wall_time_s))
+    else:
+        extra = scheduler_rows(m["scheduler"]) | {
+            "Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
+        print(format_table(m, extra))
     note = load_note(m["load"])
     if note:
         print(note)

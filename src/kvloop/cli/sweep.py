@@ -201,9 +201,17 @@ def _cell(value: Any, scale: float = 1.0, digits: int = 2) -> str:
     return f"{value * scale:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def format_rows(sweep: Sweep, rows: list[dict[str, Any]]) -> str:
-    """The terminal table: grid values, the main metrics and the cluster's numbers; * marks
-    a Pareto-optimal row (T: throughput vs p99 TTFT, G: goodput vs GPUs)."""
+_CLUSTER_HEADS: dict[str, str | None] = {  # cluster.* column -> console heading
+    "cluster.num_replicas": "replicas",  # shown once: the grid's when it sweeps replicas
+    "cluster.prefix_cache_hit_rate": None,  # never: the same number as "prefix hit %"
+}
+"""Console headings of the ``cluster.*`` columns that would repeat another column; other
+numeric ``cluster.*`` columns are headed by their name without ``cluster.``."""
+
+
+def _columns(sweep: Sweep, rows: list[dict[str, Any]]) -> list[tuple[str, str, float, int]]:
+    """The console table's columns (heading, row key, scale, digits), each quantity once:
+    the grid's values, the main metrics, the cluster's numbers not shown already, Pareto."""
     shown = [(name, name, 1.0, 0) for name in sweep.grid] + [
         ("GPUs", "gpus", 1.0, 0), ("out tok/s", "output_tok_s", 1.0, 1),
         ("TTFT p50 s", "ttft_p50_s", 1.0, 3), ("TTFT p99 s", "ttft_p99_s", 1.0, 3),
@@ -212,13 +220,25 @@ def format_rows(sweep: Sweep, rows: list[dict[str, Any]]) -> str:
     ]
     cluster = dict.fromkeys(k for row in rows for k, v in row.items()
                             if k.startswith("cluster.") and isinstance(v, int | float))
-    shown += [(k.removeprefix("cluster."), k, 1.0, 3) for k in cluster]
-    shown += [("pareto T", "pareto_ttft", 1.0, 0), ("pareto G", "pareto_cost", 1.0, 0)]
-    table = [[head for head, *_ in shown] + ["error"]]
-    for row in rows:
-        table.append([_cell(row.get(key), scale, digits) for _, key, scale, digits in shown]
+    for key in cluster:
+        head = _CLUSTER_HEADS.get(key, key.removeprefix("cluster."))
+        if head is not None and head not in (h for h, *_ in shown):
+            shown.append((head, key, 1.0, 3))
+    return [*shown, ("pareto T", "pareto_ttft", 1.0, 0), ("pareto G", "pareto_cost", 1.0, 0)]
+
+
+def format_rows(sweep: Sweep, rows: list[dict[str, Any]]) -> str:
+    """The terminal table, each quantity in one column: ``#`` (the configuration's number:
+    its row in the CSV and JSON, its mark in the PNG), grid values, the main metrics and the
+    cluster's numbers that no other column shows (the CSV and JSON keep every ``cluster.*``
+    column); * marks a Pareto-optimal row (T: throughput vs p99 TTFT, G: goodput vs GPUs)."""
+    shown = _columns(sweep, rows)
+    table = [["#"] + [head for head, *_ in shown] + ["error"]]
+    for number, row in enumerate(rows, 1):
+        table.append([str(number)]
+                     + [_cell(row.get(key), scale, digits) for _, key, scale, digits in shown]
                      + [row["error"]])
-    widths = [max(len(line[j]) for line in table) for j in range(len(shown))]
+    widths = [max(len(line[j]) for line in table) for j in range(len(shown) + 1)]
     return "\n".join(("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=False))
                       + (f"  {line[-1]}" if line[-1] else "")).rstrip() for line in table)
 

@@ -9,6 +9,7 @@ instant (queued, running, KV usage). With one replica the run is ``simulate``'s 
 Metrics: the usual summary over all requests, plus ``replicas`` (one row per replica:
 requests, prefix hits, busy time, TTFT p50/p99, preemptions) and ``cluster`` (router,
 replica count, prefix hit rate over the cluster, load imbalance = max/mean busy time).
+The terminal summary is ``kvloop.sim.cluster_table``'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from kvloop.cluster.routers import ReplicaLoad, Router, make_router, route_reque
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.request import Request
 from kvloop.executor.simulated.cost_model import CostModel
+from kvloop.sim.cluster_table import format_cluster, format_replicas
 from kvloop.sim.driver import Replica, SimulationResult, run_metrics, run_replicas, to_requests
 from kvloop.sim.metrics import summarize_requests
 from kvloop.sim.traces import WorkloadRequest
 
-__all__ = ["format_replicas", "replica_names", "simulate_cluster"]
+__all__ = ["format_cluster", "format_replicas", "replica_names", "simulate_cluster"]
 
 
 def replica_names(num_replicas: int) -> list[str]:
@@ -128,27 +130,3 @@ def _cluster_row(router: str, metrics: dict[str, Any]) -> dict[str, Any]:
         "prefix_cache_hit_rate": metrics["scheduler"]["prefix_cache_hit_rate"],
         "imbalance": max(busy) / mean if mean > 0 else None,
     }
-
-
-def format_replicas(metrics: dict[str, Any], width: int = 50) -> str:
-    """The per-replica table and the cluster lines of a ``simulate_cluster`` summary."""
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.0f}"
-
-    lines = [f"{' Replicas (TTFT p50 / p99) ':-^{width}}",
-             f"{'Replica':<7}{'Reqs':>6}{'Hit':>7}{'Busy s':>8}{'p50 ms':>8}{'p99 ms':>8}"
-             f"{'Preem':>6}"]
-    for row in metrics["replicas"]:
-        lines.append(
-            f"{row['replica']:<7}{row['requests']:>6}"
-            f"{100 * row['prefix_cache_hit_rate']:>6.1f}%{row['busy_time']:>8.1f}"
-            f"{ms(row['ttft_p50']):>8}{ms(row['ttft_p99']):>8}{row['preemptions']:>6}")
-    c = metrics["cluster"]
-    imbalance = "-" if c["imbalance"] is None else f"{c['imbalance']:.3f}"
-    rate = f"{100 * c['prefix_cache_hit_rate']:.1f}%"
-    for label, value in (("Router", c["router"]), ("Cluster prefix cache hit rate", rate),
-                         ("Load imbalance (max/mean busy)", imbalance)):
-        lines.append(f"{label + ':':<40}{value:>10}")
-    lines.append("=" * width)
-    return "\n".join(lines)

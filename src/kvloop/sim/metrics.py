@@ -319,15 +319,23 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+def format_table(
+    summary: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    *,
+    title: str = "Serving Benchmark Result",
+    load: dict[str, Any] | None = None,
+    extra_title: str = "Scheduler",
+) -> str:
     """Render a summary as a terminal table like vLLM's benchmark_serving (latencies in ms).
 
     A ``load`` entry (``kvloop.sim.load.load_summary``) adds a Load section: arrival rate
-    and utilisation. ``extra`` key/values (e.g. scheduler stats: preemptions, prefix hit
-    rate, KV usage) are appended in their own section, printed as given (floats with 4
-    decimals).
+    and utilisation (the ``load`` argument, label -> value, replaces its rows: a cluster
+    labels them its own way). ``extra`` key/values (e.g. scheduler stats: preemptions,
+    prefix hit rate, KV usage) are appended in their own section, ``extra_title``, printed
+    as given (floats with 4 decimals). ``title`` heads the table.
     """
-    lines = [f"{' Serving Benchmark Result ':=^{_WIDTH}}"]
+    lines = [f"{' ' + title + ' ':=^{_WIDTH}}"]
 
     def row(label: str, value: Any, digits: int = 2) -> None:
         lines.append(f"{label + ':':<40}{_fmt(value, digits):>10}")
@@ -360,10 +368,10 @@ def format_table(summary: dict[str, Any], extra: dict[str, Any] | None = None) -
         row("Jain's fairness index (service/weight)", summary.get("jain_index"), 4)
     if summary.get("load"):
         lines.append(f"{' Load ':-^{_WIDTH}}")
-        for key, value in load_rows(summary["load"]).items():
+        for key, value in (load_rows(summary["load"]) if load is None else load).items():
             row(key, value)
     if extra:
-        lines.append(f"{' Scheduler ':-^{_WIDTH}}")
+        lines.append(f"{' ' + extra_title + ' ':-^{_WIDTH}}")
         for key, value in extra.items():
             row(str(key), value, 4)
     lines.append("=" * _WIDTH)
