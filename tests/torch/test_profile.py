@@ -24,8 +24,9 @@ def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, 
 
     monkeypatch.setattr(profiler, "measure_bandwidth", noisy)
     out = tmp_path / "cal.json"
-    rc = main(["profile", "--model", str(llama_model.path), "--device", "cpu", "--quick",
-               "--block-size", "4", "--kv-cache-memory", str(64 << 20), "-o", str(out)])
+    rc = main(["profile", "--model", str(llama_model.path), "--device", "cpu", "--dtype",
+               "float32", "--quick", "--block-size", "4", "--kv-cache-memory", str(64 << 20),
+               "-o", str(out)])
     assert rc == 0
     captured = capsys.readouterr()
     assert "kvloop simulate --calibration" in captured.out

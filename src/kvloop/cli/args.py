@@ -188,6 +188,18 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     )
 
 
+def _quantization(text: str) -> str | None:
+    """``--quantization``: ``none`` or one of ``QUANTIZATIONS``."""
+    from kvloop.executor.torch.linear import QUANTIZATIONS
+
+    if text == "none":
+        return None
+    if text not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(
+            f"must be none or one of {', '.join(QUANTIZATIONS)}; got {text!r}")
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags of a real engine: model, dtype, device, memory, seed."""
     g = p.add_argument_group("model")
@@ -197,7 +209,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="'default' (embedded SmolLM2-135M-Instruct), a HF folder or a .gguf "
         "(default: default)",
     )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation and weight dtype; auto: bfloat16 on CUDA and on CPUs with "
+                   "native bfloat16 (AVX-512-BF16, AMX), else float32 (default: auto)")
+    g.add_argument("--quantization", default=None, type=_quantization, metavar="none|int4",
+                   help="int4: weight-only 4-bit layer matrices (groups of 32, as a Q4_1 "
+                   "GGUF; CPU, bfloat16) (default: none)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--kv-cache-memory", type=positive_size, default=None, metavar="SIZE",
                    help=f"KV cache size on CPU (on CUDA too when given): {SIZE_HELP} "

@@ -123,6 +123,7 @@ class LLMEngine:
         runner = TorchModelRunner(
             str(path),
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks,

@@ -8,6 +8,7 @@ requested dtype and placed on the device, so peak host memory stays near one ten
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -34,14 +35,37 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU computes bfloat16 natively (AVX-512-BF16 or AMX-BF16)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: float32 on CPU, bfloat16 on CUDA; else one of float32/bfloat16/float16."""
+    """``"auto"``: bfloat16 on CUDA and on CPUs with native bfloat16 (AVX-512-BF16, AMX),
+    else float32; or one of float32/bfloat16/float16.
+
+    NOTE: on CPUs without native bfloat16, torch emulates it and fp16 is slower still, so
+    float32 is the fast exact-enough choice there."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}")
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     try:
         return DTYPES[dtype]
     except KeyError:
@@ -89,9 +113,11 @@ class SafetensorsCheckpoint:
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype, device: torch.device
+    path: str | Path, *, dtype: torch.dtype, device: torch.device,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Parse the folder's config and build its model on ``device`` in ``dtype``."""
+    """Parse the folder's config and build its model on ``device`` in ``dtype`` (layer
+    matrices quantised when ``quantization`` is given)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
@@ -100,10 +126,13 @@ def load_model(
     ckpt = SafetensorsCheckpoint(path)
 
     def get(name: str) -> Tensor:
-        return ckpt.get(name).to(device=device, dtype=dtype)
+        # NOTE: matrices to quantise load in float32, so that a 4-bit checkpoint's grid
+        # (dequantised into float32 at conversion) is found again exactly.
+        quantised = quantization is not None and name.endswith("_proj.weight")
+        return ckpt.get(name).to(device=device, dtype=torch.float32 if quantised else dtype)
 
     try:
-        model = cls.load_weights(config, get, ckpt.has)
+        model = cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
     return config, model

@@ -25,6 +25,7 @@ from kvloop.executor.torch.kv_cache import (
     cuda_kv_budget,
     physical_memory,
 )
+from kvloop.executor.torch.linear import check_quantization
 from kvloop.executor.torch.loader import load_model, resolve_device, resolve_dtype
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.sampler import Sampler, SamplingState
@@ -66,6 +67,9 @@ class TorchModelRunner:
     reserve``. The host swap pool has ``num_cpu_blocks`` blocks, or as many as
     ``swap_space_bytes`` holds (default: none).
 
+    ``quantization`` (None or ``int4``) stores the layer matrices as weight-only int4
+    (``executor.torch.linear``).
+
     ``max_model_len`` defaults to the model's ``max_position_embeddings``, capped at its
     sliding window if it has one (kvloop attends to the full context, which equals sliding
     attention only up to the window); the scheduler should use ``runner.max_model_len``.
@@ -76,6 +80,7 @@ class TorchModelRunner:
         model_path: str | Path,
         *,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         device: str | torch.device | None = None,
         block_size: int,
         num_gpu_blocks: int | None,
@@ -90,12 +95,16 @@ class TorchModelRunner:
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        check_quantization(quantization, self.device, self.dtype)
+        self.quantization = quantization
         self.seed = seed
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.model_config: ModelConfig
-        self.model_config, self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model_config, self.model = load_model(
+            model_path, dtype=self.dtype, device=self.device, quantization=quantization
+        )
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         cfg = self.model_config
         per_block = block_bytes(

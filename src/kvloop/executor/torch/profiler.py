@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +42,8 @@ from kvloop.core.interface import (
 from kvloop.core.scheduler import Scheduler
 from kvloop.executor.simulated.calibration import Measurements
 from kvloop.executor.torch.attention import build_metadata, paged_attention, write_kv
+from kvloop.executor.torch.linear import Linear
+from kvloop.executor.torch.loader import cpu_flags
 from kvloop.executor.torch.model_runner import TorchModelRunner
 from kvloop.executor.torch.models import llama as _llama
 from kvloop.executor.torch.models.llama import rms_norm
@@ -76,16 +77,16 @@ def device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     name = platform.processor() or "CPU"
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        for line in info.splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-        isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-        name = f"{name}, {isa}"
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f
+                         if ln.startswith("model name")), name)
     except OSError:
         pass
+    flags = cpu_flags()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        isa += " with native bf16"
+    name = f"{name}, {isa}"
     return f"{name}, {torch.get_num_threads()} threads"
 
 
@@ -210,14 +211,15 @@ class Profiler:
         layers = self.model.layers
         elem = torch.empty((), dtype=self.runner.dtype).element_size()
         out = []
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            k, n = getattr(layers[0], name).shape
+        for name in ("qkv", "o", "gate_up", "down"):
+            first = getattr(layers[0], name)
+            k, n = first.in_features, first.out_features
             x = torch.randn(t, k, device=self.device, dtype=self.runner.dtype)
             weights = [getattr(layer, name) for layer in layers]
 
-            def run(x: torch.Tensor = x, weights: list[torch.Tensor] = weights) -> None:
+            def run(x: torch.Tensor = x, weights: list[Linear] = weights) -> None:
                 for w in weights:
-                    torch.mm(x, w)
+                    w(x)
 
             per_layer = self.timer(run) / len(weights)
             out.append((2.0 * t * n * k, float((n * k + t * k + t * n) * elem), per_layer))

@@ -1,0 +1,145 @@
+"""Layer-matrix layouts (``executor.torch.linear``): the split float32 layout computes what the
+dense one does, int4 finds a Q4_1 grid again, bad quantization settings are refused by name,
+and ``dtype="auto"`` follows the CPU's native bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import drive, make_runner  # noqa: E402
+
+from kvloop.executor.torch import loader  # noqa: E402
+from kvloop.executor.torch.linear import (  # noqa: E402
+    DenseLinear,
+    Int4Linear,
+    SplitLinear,
+    check_quantization,
+    make_linear,
+)
+
+
+def q4_1_grid(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """A float32 [out, inp] matrix every group of 32 of which lies on a Q4_1 grid
+    (``low + code * step``, codes 0 and 15 both used), as a dequantised Q4_1 GGUF does;
+    groups are roughly centred on 0, as trained weights are."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, inp // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    step = torch.rand(out, inp // 32, 1, generator=g) * 0.01 + 0.001
+    low = -step * (7.5 + torch.randn(out, inp // 32, 1, generator=g))
+    return (low + codes * step).view(out, inp)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_layout_equals_dense(rows: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(rows, 64, generator=g)
+    dense, split = DenseLinear(w, b), SplitLinear(w, b, 2)
+    torch.testing.assert_close(split(x), dense(x))
+    acc_dense, acc_split = torch.ones(rows, 96), torch.ones(rows, 96)
+    dense.add_to_(acc_dense, x)
+    split.add_to_(acc_split, x)
+    torch.testing.assert_close(acc_split, acc_dense)
+    torch.testing.assert_close(dense(x), x @ w.t() + (b if b is not None else 0))
+
+
+def test_make_linear_picks_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(64, 32)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert isinstance(make_linear(w, None), SplitLinear)
+    assert isinstance(make_linear(w.bfloat16(), None), DenseLinear)
+    assert isinstance(make_linear(torch.randn(63, 32), None), DenseLinear)  # odd outputs
+    assert isinstance(make_linear(w, None, quantization="int4"), Int4Linear)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert isinstance(make_linear(w, None), DenseLinear)
+
+
+def test_int4_recovers_a_q4_1_grid() -> None:
+    w = q4_1_grid(48, 128)
+    b = torch.randn(48)
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    dequantised = Int4Linear(w, None, torch.bfloat16)(eye).float().t()
+    step = (w.view(48, -1, 32).amax(-1) - w.view(48, -1, 32).amin(-1)) / 15
+    err = (dequantised - w).abs().view(48, -1, 32).amax(-1)
+    # NOTE: only the bfloat16 rounding of the kernel's scales, zeros and outputs remains: far
+    # below half a step (what re-quantising onto another grid would cost).
+    assert bool((err <= 0.1 * step).all()), float((err / step).max())
+    lin = Int4Linear(w, b.bfloat16(), torch.bfloat16)
+    x = torch.randn(3, 128).bfloat16()
+    acc = torch.zeros(3, 48, dtype=torch.bfloat16)
+    lin.add_to_(acc, x)
+    torch.testing.assert_close(acc.float(), (x.float() @ w.t() + b), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("quantization, device, dtype, field", [
+    ("int8", "cpu", torch.bfloat16, "quantization must be one of int4"),
+    ("int4", "cpu", torch.float32, "quantization int4 needs dtype bfloat16"),
+    ("int4", "cuda", torch.bfloat16, "quantization int4 runs on CPU only"),
+])
+def test_bad_quantization_is_refused(quantization: str, device: str, dtype: torch.dtype,
+                                     field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        check_quantization(quantization, torch.device(device), dtype)
+
+
+def test_int4_needs_inputs_in_whole_groups() -> None:
+    with pytest.raises(ValueError, match="quantization int4 needs input sizes divisible by 32"):
+        Int4Linear(torch.randn(8, 48), None, torch.bfloat16)
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert loader.resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
+    assert loader.resolve_dtype("float32", cpu) == torch.float32
+
+
+def test_int4_runner_matches_bf16_on_a_q4_1_model(llama_model, tmp_path) -> None:
+    """A model whose matrices lie on Q4_1 grids: the int4 runner's greedy tokens equal the
+    bfloat16 runner's, and its weights take under a third of the bytes."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "q4"
+    folder.mkdir()
+    for f in llama_model.path.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            for i, (name, t) in enumerate(sorted(tensors.items())):
+                if name.endswith("_proj.weight"):
+                    grid = q4_1_grid(*t.shape, seed=i)
+                    tensors[name] = (grid - grid.mean()) * (t.std() / grid.std())
+                    tensors[name] = _snap(tensors[name])
+            save_file(tensors, folder / f.name)
+        elif f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    model = type(llama_model)(folder, llama_model.hf)
+    prompts = [[5, 9, 13, 40, 41, 42, 43], [7, 8, 300, 301]]
+
+    def run(**kw: object) -> tuple[list[list[int]], int]:
+        runner = make_runner(model, dtype="bfloat16", **kw)
+        reqs, _ = drive(runner, prompts, 6)
+        return [list(r.output_token_ids) for r in reqs], runner.model.num_parameter_bytes
+
+    dense, dense_bytes = run()
+    quant, quant_bytes = run(quantization="int4")
+    assert quant == dense
+    matrices = sum(p.numel() for n, p in llama_model.hf.named_parameters() if "_proj" in n)
+    assert dense_bytes - quant_bytes > 0.6 * matrices * 2  # bf16 -> ~4.5 bits
+
+
+def _snap(w: torch.Tensor) -> torch.Tensor:
+    """Re-grid a scaled grid exactly (scaling moves points off float32 steps only slightly,
+    but min/max must stay the codes 0 and 15 of every group)."""
+    groups = w.view(w.shape[0], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    return (low + ((groups - low) / step).round() * step).view(w.shape)
