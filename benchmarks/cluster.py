@@ -136,15 +136,15 @@ def target(rows: list[dict[str, Any]]) -> tuple[str, bool | None]:
     whether it holds."""
     cell = {r["router"]: r for r in rows if r["trace"] == "mooncake" and r["replicas"] == 8}
     if not {"round-robin", "least-loaded", "kv-aware"} <= cell.keys():
-        return "target: not measured (needs Mooncake at 8 replicas, all three routers)", None
+        return "not measured: needs Mooncake at 8 replicas with all three routers", None
     kv, rr, ll = cell["kv-aware"], cell["round-robin"], cell["least-loaded"]
     ratio = kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
     holds = ratio >= 1.5 and kv["ttft_p99"] <= ll["ttft_p99"]
-    return (f"target {'MET' if holds else 'NOT MET'}: kv-aware's prefix hit rate is "
-            f"{ratio:.2f}x round-robin's ({100 * kv['hit_rate']:.1f}% vs "
-            f"{100 * rr['hit_rate']:.1f}%; needs >= 1.5x) and its p99 TTFT "
-            f"{kv['ttft_p99'] * 1e3:.0f} ms vs least-loaded's {ll['ttft_p99'] * 1e3:.0f} ms "
-            "(needs no worse)"), holds
+    verdict = "both hold" if holds else "they do not both hold"
+    return (f"Mooncake on 8 replicas: kv-aware's prefix hit rate is {100 * kv['hit_rate']:.1f}%, "
+            f"{ratio:.2f}x round-robin's {100 * rr['hit_rate']:.1f}% (aim: >= 1.5x), and its "
+            f"p99 TTFT {kv['ttft_p99'] * 1e3:.0f} ms against least-loaded's "
+            f"{ll['ttft_p99'] * 1e3:.0f} ms (aim: no worse): {verdict}"), holds
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -256,7 +256,7 @@ def sim(args: argparse.Namespace) -> None:
     line, _ = target(rows)
     light_line = ""
     if light:
-        light_line = f"at k = {LIGHT_K:g}, not the target's load: " + target(light)[0]
+        light_line = f"At the lighter load k = {LIGHT_K:g}: " + target(light)[0]
         print(f"\nmooncake, lighter load (k = {LIGHT_K:g})\n{table(light, 'mooncake')}")
     print(f"\n{line}\n{light_line}\n"
           f"(grid: {time.perf_counter() - started:.0f} s with {args.jobs} jobs)")

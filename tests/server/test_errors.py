@@ -102,6 +102,7 @@ def test_api_key(new_server) -> None:
     assert httpx.post(url, json=body).status_code == 401
     wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+    assert wrong.text.startswith('{"error":{"message":')  # compact, as every other error
     assert httpx.get(f"{live.base_url}/models").status_code == 401
     assert httpx.get(f"{live.url}/health").status_code == 200  # probes need no key
     ok = openai.OpenAI(base_url=live.base_url, api_key="sekret", max_retries=0)

@@ -90,3 +90,63 @@ def test_signal_drains_and_exits_zero(tiny_model, tmp_path, sig: int) -> None:
     requests = reconstruct_requests(load_records(str(trace)))
     assert requests[chunks[0]["id"]].finish_reason == "length"
     assert len(requests[chunks[0]["id"]].token_times) == 200
+
+
+def test_engine_loop_runs_on_the_thread_that_asks(tiny_model) -> None:
+    """``AsyncEngine.run_here`` (what ``kvloop serve`` does on its main thread): every step
+    runs on the calling thread while uvicorn serves from another; it returns when the server
+    stops, and at once when the server never came up."""
+    import socket
+    import threading
+
+    import uvicorn
+    from serverkit import ENGINE_ARGS
+
+    from kvloop.engine.args import EngineArgs
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.server.app import ServerConfig, create_app
+    from kvloop.server.async_engine import AsyncEngine
+    from kvloop.server.draining import DrainingServer
+    from kvloop.server.metrics import ServerMetrics
+
+    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_model), **ENGINE_ARGS))
+    stepped_on: set[threading.Thread] = set()
+
+    def record(execute):
+        def run(out):
+            stepped_on.add(threading.current_thread())
+            return execute(out)
+        return run
+
+    aengine = AsyncEngine(engine, on_caller_thread=True)
+    app = create_app(aengine, ServerMetrics(MODEL_NAME),
+                     ServerConfig(MODEL_NAME, str(tiny_model), None, 0))
+    server = DrainingServer(uvicorn.Config(app, log_level="warning"), aengine, 5.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    replies: list[httpx.Response] = []
+
+    def client() -> None:
+        try:
+            while not server.started:
+                time.sleep(0.01)
+            body = {**LONG, "stream": False, "max_tokens": 5}
+            replies.append(httpx.post(url, json=body, timeout=30))
+        finally:
+            server.should_exit = True
+
+    with patched_execute(engine, record):
+        http.start()
+        threading.Thread(target=client, daemon=True).start()
+        aengine.run_here(wait_while=http.is_alive)
+        http.join(15)
+    assert [r.status_code for r in replies] == [200], [r.text for r in replies]
+    assert replies[0].json()["usage"]["completion_tokens"] == 5
+    assert stepped_on == {threading.current_thread()}
+    assert not aengine.is_alive and not http.is_alive()
+    started = time.monotonic()
+    # no server: no wait
+    AsyncEngine(engine, on_caller_thread=True).run_here(wait_while=lambda: False)
+    assert time.monotonic() - started < 1.0

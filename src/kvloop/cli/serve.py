@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import socket
 import sys
+import threading
 from typing import IO, Any
 
 from kvloop.cli.args import add_model_args, engine_args_from, format_size
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         model = args.model if name == args.model else f"{args.model} (served as {name})"
         metrics = ServerMetrics(name)
         async_engine = AsyncEngine(engine, max_queued_requests=args.max_queued_requests,
-                                   metrics=metrics)
+                                   metrics=metrics, on_caller_thread=True)
         tok = engine.tokenizer
         config = ServerConfig(name, str(getattr(tok, "path", args.model)), args.api_key,
                               args.log_interval, max_request_bytes=args.max_request_bytes)
@@ -192,7 +194,17 @@ def run(args: argparse.Namespace) -> int:
         )
         url = f"http://{_url_host(args.host)}:{port}"
         print(startup_line(engine, model, url), file=sys.stderr, flush=True)
-        server.run()
+        # NOTE: the engine loop runs on this (main) thread, uvicorn's event loop on another
+        # (``AsyncEngine.run_here`` says why); uvicorn installs no signal handlers off the
+        # main thread, so the drain's are installed here.
+        http = threading.Thread(target=server.run, name="kvloop-http")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.handle_exit)
+        http.start()
+        async_engine.run_here(wait_while=http.is_alive)
+        http.join()
+        if not server.started:
+            return 1
     finally:
         if trace is not None:
             trace.close()

@@ -8,6 +8,7 @@ routes, validation, streaming, errors and API key are ``kvloop serve``'s own
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -41,6 +42,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def check_cluster_args(args: argparse.Namespace) -> None:
     """``ValueError`` naming the flag for a bad replica setting."""
+    if args.router not in ROUTERS:
+        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
     if args.replicas is None:
         return
     if args.replicas < 1:
@@ -49,15 +52,14 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     if args.num_gpus_per_replica < 0:
         raise ValueError("--num-gpus-per-replica must be >= 0")
-    if args.router not in ROUTERS:
-        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
     if args.trace_out:
         raise ValueError("--trace-out records one engine's steps: not with --replicas")
 
 
 def check_resources(args: argparse.Namespace, threads: int) -> None:
     """``ValueError`` when the Ray cluster cannot place the replicas at all (Ray would wait
-    for them forever)."""
+    for them forever). A local Ray has this machine's CPUs: replicas that would
+    oversubscribe them are refused too."""
     import ray
 
     have = ray.cluster_resources()
@@ -68,6 +70,23 @@ def check_resources(args: argparse.Namespace, threads: int) -> None:
             flag = "--num-gpus-per-replica" if kind == "GPU" else "--threads-per-replica"
             raise ValueError(f"{args.replicas} replicas need {amount:g} {kind}s but the Ray "
                              f"cluster has {have.get(kind, 0.0):g}: lower --replicas or {flag}")
+
+
+def check_serve_http(args: argparse.Namespace) -> None:
+    """``ValueError`` when Ray Serve already runs on the joined cluster with another host or
+    port: Ray would keep its proxy there and ignore ``--host``/``--port`` silently."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        config = client.http_config if client is not None else None
+    except (ImportError, AttributeError):  # NOTE: a private API; without it, no check
+        return
+    if config is not None and (config.host, config.port) != (args.host, args.port):
+        raise ValueError(f"Ray Serve already runs on that cluster at {config.host}:"
+                         f"{config.port} and would ignore --host {args.host} --port "
+                         f"{args.port}: pass --host {config.host} --port {config.port}, or "
+                         "stop it first (serve shutdown)")
 
 
 def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any) -> int:
@@ -85,17 +104,22 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
     threads = args.threads_per_replica or max(1, cpus // args.replicas)
     started_ray = args.ray_address is None
     if started_ray:
-        # NOTE: enough logical CPUs for every replica even when they oversubscribe the
-        # machine (Ray would otherwise wait forever for resources that never come).
-        ray.init(num_cpus=max(cpus, threads * args.replicas), include_dashboard=False)
+        # NOTE: address "local": a Ray of our own even when `ray start` runs on this machine
+        # (plain ray.init would join that one and refuse num_cpus). Its CPUs are this
+        # machine's, so replicas that would oversubscribe them are refused (check_resources).
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
     else:
         ray.init(address=args.ray_address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    serve_started = False
     try:
         check_resources(args, threads)
+        if not started_ray:
+            check_serve_http(args)
         serve.start(http_options={"host": args.host, "port": args.port})
+        serve_started = True
         app = build_app(engine_args, server_config, replicas=args.replicas,
                         router=args.router, threads=threads,
                         num_gpus_per_replica=args.num_gpus_per_replica,
@@ -115,8 +139,9 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
         print(f"kvloop serve: stopped{f' ({left} requests aborted)' if left else ''}",
               file=sys.stderr, flush=True)
     finally:
-        try:
-            serve.delete(APP_NAME) if not started_ray else serve.shutdown()
-        finally:
-            ray.shutdown()
+        # NOTE: a failed cleanup must not hide why the server stopped (a refused flag).
+        with contextlib.suppress(Exception):
+            if serve_started:
+                serve.delete(APP_NAME) if not started_ray else serve.shutdown()
+        ray.shutdown()
     return 0

@@ -309,7 +309,7 @@ class ClusterEngine:
                     arrival_time: float | None = None) -> RequestStream:
         """Send ``request`` to a replica; errors arrive through the stream."""
         if self.draining or not self._alive:
-            raise EngineStoppedError("the server is shutting down" if self.draining
+            raise EngineStoppedError("the server is draining (shutting down)" if self.draining
                                      else "the engine is not running")
         if request_id in self._tasks:
             raise InvalidRequestError("request_id", f"request_id {request_id!r} is already "

@@ -154,7 +154,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
 
     def admit() -> None:
         if engine.draining:
-            raise APIError(503, "the server is shutting down and takes no new requests")
+            raise APIError(503, "the server is draining (shutting down) and takes no new requests")
 
     async def run(request: Request, job: Job) -> Response:
         stream = serving.submit(job)
@@ -202,7 +202,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
         SIGTERM/SIGINT) or when its engine is not running, so that load balancers stop
         sending traffic. (The docstring is the OpenAPI description: Markdown.)"""
         if engine.draining:
-            raise APIError(503, "the server is draining and takes no new requests")
+            raise APIError(503, "the server is draining (shutting down) and takes no new requests")
         if not engine.is_alive:
             raise APIError(503, "the engine is not running")
         return JSONResponse({"status": "ok"})

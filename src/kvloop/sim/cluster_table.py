@@ -90,5 +90,9 @@ def format_replicas(metrics: dict[str, Any], width: int = _WIDTH) -> str:
             f"{row['replica']:<7}{row['requests']:>6}"
             f"{100 * row['prefix_cache_hit_rate']:>6.1f}%{row['busy_time']:>7.1f}"
             f"{ttft:>17}{row['preemptions']:>6}")
+    if any(0 < row["requests"] < 100 for row in metrics["replicas"]):
+        # NOTE: p99 of fewer than 100 requests is the slowest one: it can exceed the
+        # cluster's p99, which is over all requests.
+        lines.append("p99 of a replica with < 100 requests = its slowest")
     lines.append("=" * width)
     return "\n".join(lines)
