@@ -13,7 +13,7 @@ step's time goes (torch profiler self times: weight GEMMs, attention with the KV
 write, other ops, and host time outside any op).
 
     python benchmarks/decode_floor.py [--batches 1,8,32] [--model default] [--dtype auto]
-        [--quantization int4]
+        [--quantization int4] [--device cuda] [--profile]
 """
 
 from __future__ import annotations
@@ -38,14 +38,21 @@ PROMPT_LEN = 128
 OUTPUT_LEN = 64
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second of the fastest of ``repeats`` full reads (a sum) of ``nbytes``."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     x.sum()  # NOTE: touch every page before timing
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
         x.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return nbytes / best
 
@@ -75,19 +82,22 @@ def gemm_time(engine: LLMEngine, batch: int) -> float:
     """Seconds of one pass over every layer matrix and the LM head at ``batch`` rows."""
     model = engine.executor.model
     hidden = model.config.hidden_size
-    dtype = engine.executor.dtype
+    dtype, device = engine.executor.dtype, engine.executor.device
     inputs: dict[int, torch.Tensor] = {}
     mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     for m in mats:
-        inputs.setdefault(m.in_features, torch.randn(batch, m.in_features, dtype=dtype))
-    x = torch.randn(batch, hidden, dtype=dtype)
+        inputs.setdefault(m.in_features,
+                          torch.randn(batch, m.in_features, dtype=dtype, device=device))
+    x = torch.randn(batch, hidden, dtype=dtype, device=device)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(5):
+            _sync(device)
             t = time.perf_counter()
             for m in mats:
                 m(inputs[m.in_features])
             torch.nn.functional.linear(x, model.lm_head)
+            _sync(device)
             best = min(best, time.perf_counter() - t)
     return best
 
@@ -96,6 +106,7 @@ def profile_shares(engine: LLMEngine, batch: int) -> str:
     """Shares of the decode steps' wall time: weight GEMMs, attention, other ops, host."""
     from torch.profiler import ProfilerActivity, profile
 
+    # NOTE: CPU self times only: on CUDA they are launch costs, not the kernels' time.
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         decode_steps(engine, batch, seed=batch + 1)
@@ -115,20 +126,23 @@ def main() -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=["int4"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype,
                                             quantization=args.quantization,
+                                            device=args.device,
                                             max_num_seqs=max(batches),
                                             max_num_batched_tokens=4096))
     nbytes = engine.executor.model.num_parameter_bytes  # tied head counted once
-    bandwidth = read_bandwidth()
+    device = engine.executor.device
+    bandwidth = read_bandwidth(device)
     floor = nbytes / bandwidth
     dtype = str(engine.executor.dtype).removeprefix("torch.")
     if args.quantization:
         dtype += f", {args.quantization} weights"
-    print(f"# {device_name(torch.device('cpu'))}; {args.model} ({dtype}): weights "
+    print(f"# {device_name(device)}; {args.model} ({dtype}): weights "
           f"{nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
           f"{floor * 1000:.1f} ms per step")
     decode_steps(engine, 1, seed=99)  # NOTE: warm-up (first-call allocations)
