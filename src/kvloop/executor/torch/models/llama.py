@@ -34,9 +34,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
     if x.dtype == torch.float32:  # one fused kernel computes the same thing
         return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # NOTE: the same fused kernel on a float32 copy; the cast back and the scale stay two
+    # steps, as transformers rounds between them.
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
