@@ -371,3 +371,18 @@ def test_config_parsing_transformers4_layout() -> None:
     assert ModelConfig.from_dict({**no_arch, "model_type": "mistral"}).architecture == (
         "MistralForCausalLM"
     )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_rms_norm_is_transformers_bit_for_bit(dtype: str) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kvloop.executor.torch.models.llama import rms_norm
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(9, 96, generator=g) * 4).to(dt)
+    ref = LlamaRMSNorm(96, eps=1e-5).to(dt)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(96, generator=g))
+        assert torch.equal(rms_norm(x, ref.weight, 1e-5), ref(x))
