@@ -127,6 +127,7 @@ def test_int4_runner_matches_bf16_on_a_q4_1_model(llama_model, tmp_path) -> None
     def run(**kw: object) -> tuple[list[list[int]], int]:
         runner = make_runner(model, dtype="bfloat16", **kw)
         reqs, _ = drive(runner, prompts, 6)
+        assert runner.precision == ("bfloat16, int4 weights" if kw else "bfloat16")
         return [list(r.output_token_ids) for r in reqs], runner.model.num_parameter_bytes
 
     dense, dense_bytes = run()

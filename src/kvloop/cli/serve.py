@@ -112,7 +112,8 @@ def startup_line(engine: Any, model: str, url: str) -> str:
     cache = engine.scheduler.cache_config
     blocks, size = cache.num_gpu_blocks, cache.block_size
     device = getattr(runner, "device", None)
-    dtype = str(getattr(runner, "dtype", "")).removeprefix("torch.")
+    dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).removeprefix(
+        "torch.")
     where = f" on {device} ({dtype})" if device is not None else ""
     pool = getattr(getattr(runner, "kv_cache", None), "gpu", None)
     memory = f", {format_size(pool.nbytes)}" if pool is not None else ""

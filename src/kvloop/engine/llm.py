@@ -217,7 +217,8 @@ def _describe(engine: LLMEngine) -> tuple[str, str]:
     (blocks, tokens, memory, the step's token budget)."""
     runner = engine.executor
     cfg = getattr(runner, "model_config", None)
-    dtype = str(getattr(runner, "dtype", "")).replace("torch.", "")
+    dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).replace(
+        "torch.", "")
     loaded = (f"{getattr(cfg, 'architecture', 'model')} {dtype} on "
               f"{getattr(runner, 'device', '?')}")
     cache = engine.scheduler.cache_config

@@ -136,6 +136,13 @@ class TorchModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.requests: dict[str, _RequestState] = {}
 
+    @property
+    def precision(self) -> str:
+        """The activation dtype, and the weights' quantisation if any: ``"bfloat16"``,
+        ``"bfloat16, int4 weights"``."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}, {self.quantization} weights" if self.quantization else dtype
+
     # -- setup -----------------------------------------------------------------------
     def _resolve_max_model_len(self, max_model_len: int | None) -> int:
         cfg = self.model_config
