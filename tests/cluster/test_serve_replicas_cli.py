@@ -14,6 +14,7 @@ from kvloop.cli.main import main
     (["--replicas", "2", "--trace-out", "steps.jsonl"], "--trace-out records one engine"),
     (["--replicas", "2", "--model", "/no/such/model"], "model '/no/such/model' not found"),
     (["--router", "magic"], "--router must be one of"),  # checked without --replicas too
+    (["--replicas", "2", "--max-replicas", "1"], "--max-replicas must be >= --replicas (2)"),
 ])
 def test_bad_replica_flags_are_one_line(argv: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str],
@@ -71,6 +72,9 @@ class _FakeRay:
      "--threads-per-replica"),
     (["--replicas", "8", "--threads-per-replica", "2"], 2, None,
      "8 replicas need 16 CPUs but the Ray cluster has 2"),
+    (["--replicas", "1", "--max-replicas", "4", "--threads-per-replica", "1"], 2, None,
+     "4 replicas need 4 CPUs but the Ray cluster has 2: lower --max-replicas or "
+     "--threads-per-replica"),
     (["--replicas", "1", "--ray-address", "auto", "--port", "8018"], 2, ("127.0.0.1", 8017),
      "Ray Serve already runs on that cluster at 127.0.0.1:8017 and would ignore --host "
      "127.0.0.1 --port 8018"),
@@ -86,3 +90,15 @@ def test_what_the_cluster_cannot_do_is_one_line(
     local = "--ray-address" not in argv
     # NOTE: a Ray of our own even when `ray start` runs here, with this machine's CPUs only.
     assert fake.inits[0].get("address") == ("local" if local else "auto")
+
+
+def test_max_replicas_turns_on_ray_autoscaling() -> None:
+    from kvloop.cluster.ray_serve import replica_count
+    from kvloop.engine.args import EngineArgs
+
+    args = EngineArgs(max_num_seqs=64)
+    assert replica_count(args, 2, None) == {"num_replicas": 2}
+    assert replica_count(args, 2, 2) == {"num_replicas": 2}
+    assert replica_count(args, 2, 6) == {"autoscaling_config": {
+        "min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
+        "target_ongoing_requests": 64}}

@@ -26,6 +26,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas on Ray Serve behind one endpoint "
                    "(default: one engine in this process, no Ray)")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                   help="autoscale between --replicas and M replicas with Ray Serve's "
+                   "autoscaler (target: --max-num-seqs ongoing requests per replica) "
+                   "(default: a fixed --replicas)")
     g.add_argument("--router", default=DEFAULT_ROUTER, metavar="NAME",
                    help=f"how requests are spread over the replicas: {', '.join(ROUTERS)} "
                    "(kv-aware: the replica holding most of the prompt's leading KV blocks, "
@@ -48,6 +52,9 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         return
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise ValueError(f"--max-replicas must be >= --replicas ({args.replicas}), got "
+                         f"{args.max_replicas}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise ValueError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     if args.num_gpus_per_replica < 0:
@@ -56,20 +63,23 @@ def check_cluster_args(args: argparse.Namespace) -> None:
         raise ValueError("--trace-out records one engine's steps: not with --replicas")
 
 
-def check_resources(args: argparse.Namespace, threads: int) -> None:
+def check_resources(args: argparse.Namespace, threads: int, *, local: bool = False) -> None:
     """``ValueError`` when the Ray cluster cannot place the replicas at all (Ray would wait
-    for them forever). A local Ray has this machine's CPUs: replicas that would
-    oversubscribe them are refused too."""
+    for them forever). A local Ray has this machine's CPUs and never grows: replicas that
+    would oversubscribe them, ``--max-replicas`` included, are refused too."""
     import ray
 
     have = ray.cluster_resources()
-    need = {"GPU": args.num_gpus_per_replica * args.replicas,
-            "CPU": 0.0 if args.num_gpus_per_replica else float(threads * args.replicas)}
+    count, flag = args.replicas, "--replicas"
+    if local and args.max_replicas is not None:
+        count, flag = args.max_replicas, "--max-replicas"
+    need = {"GPU": args.num_gpus_per_replica * count,
+            "CPU": 0.0 if args.num_gpus_per_replica else float(threads * count)}
     for kind, amount in need.items():
         if amount > have.get(kind, 0.0):
-            flag = "--num-gpus-per-replica" if kind == "GPU" else "--threads-per-replica"
-            raise ValueError(f"{args.replicas} replicas need {amount:g} {kind}s but the Ray "
-                             f"cluster has {have.get(kind, 0.0):g}: lower --replicas or {flag}")
+            per = "--num-gpus-per-replica" if kind == "GPU" else "--threads-per-replica"
+            raise ValueError(f"{count} replicas need {amount:g} {kind}s but the Ray "
+                             f"cluster has {have.get(kind, 0.0):g}: lower {flag} or {per}")
 
 
 def check_serve_http(args: argparse.Namespace) -> None:
@@ -101,7 +111,8 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
     # failing and retried; a GGUF is converted once, not by every replica at the same time.
     resolve_model(engine_args.model)
     cpus = os.cpu_count() or 1
-    threads = args.threads_per_replica or max(1, cpus // args.replicas)
+    most = args.max_replicas or args.replicas
+    threads = args.threads_per_replica or max(1, cpus // most)
     started_ray = args.ray_address is None
     if started_ray:
         # NOTE: address "local": a Ray of our own even when `ray start` runs on this machine
@@ -115,7 +126,7 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
         signal.signal(sig, lambda *_: stop.set())
     serve_started = False
     try:
-        check_resources(args, threads)
+        check_resources(args, threads, local=started_ray)
         if not started_ray:
             check_serve_http(args)
         serve.start(http_options={"host": args.host, "port": args.port})
@@ -123,13 +134,17 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
         app = build_app(engine_args, server_config, replicas=args.replicas,
                         router=args.router, threads=threads,
                         num_gpus_per_replica=args.num_gpus_per_replica,
-                        max_queued_requests=args.max_queued_requests)
+                        max_queued_requests=args.max_queued_requests,
+                        max_replicas=args.max_replicas)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = f"[{args.host}]" if ":" in args.host else args.host
         where = "a local Ray" if started_ray else f"Ray at {args.ray_address}"
         unit = (f"{args.num_gpus_per_replica:g} GPU" if args.num_gpus_per_replica
                 else f"{threads} thread{'s' * (threads > 1)}")
-        print(f"kvloop serve: {args.replicas} replicas of {engine_args.model} ({unit} each) "
+        count = (f"{args.replicas} replicas" if not args.max_replicas
+                 or args.max_replicas == args.replicas
+                 else f"{args.replicas}-{args.max_replicas} replicas (autoscaled)")
+        print(f"kvloop serve: {count} of {engine_args.model} ({unit} each) "
               f"on {where}, router {args.router}; http://{host}:{args.port}",
               file=sys.stderr, flush=True)
         stop.wait()

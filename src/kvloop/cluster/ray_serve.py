@@ -440,11 +440,28 @@ class Ingress:
         return left
 
 
+def replica_count(engine_args: EngineArgs, replicas: int,
+                  max_replicas: int | None) -> dict[str, Any]:
+    """The deployment's replica options: ``num_replicas``, or, with ``max_replicas`` above
+    ``replicas``, Ray Serve's autoscaling between the two, starting at ``replicas``.
+
+    NOTE: the autoscaling target is ``max_num_seqs`` ongoing requests per replica: Ray adds a
+    replica once the replicas' average would have to queue (every running slot taken), and
+    removes one when they run well under it."""
+    if max_replicas is None or max_replicas == replicas:
+        return {"num_replicas": replicas}
+    return {"autoscaling_config": {
+        "min_replicas": replicas, "initial_replicas": replicas, "max_replicas": max_replicas,
+        "target_ongoing_requests": engine_args.max_num_seqs}}
+
+
 def build_app(engine_args: EngineArgs, server_config: Any, *, replicas: int,
               router: str = "kv-aware", threads: int | None = None,
               num_gpus_per_replica: float = 0.0, max_queued_requests: int | None = None,
-              router_kwargs: dict[str, Any] | None = None) -> Any:
-    """The Serve application: ``replicas`` engines behind one ingress, routed by ``router``.
+              router_kwargs: dict[str, Any] | None = None,
+              max_replicas: int | None = None) -> Any:
+    """The Serve application: ``replicas`` engines behind one ingress, routed by ``router``
+    (autoscaled up to ``max_replicas`` when given: ``replica_count``).
 
     On CPU each replica reserves ``threads`` CPUs (its torch threads); with GPUs, each one
     ``num_gpus_per_replica``."""
@@ -455,7 +472,7 @@ def build_app(engine_args: EngineArgs, server_config: Any, *, replicas: int,
     engines = serve.deployment(
         EngineReplica,
         name=ENGINE_DEPLOYMENT,
-        num_replicas=replicas,
+        **replica_count(engine_args, replicas, max_replicas),
         ray_actor_options=actor,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         health_check_period_s=5,
