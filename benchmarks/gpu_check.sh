@@ -12,17 +12,7 @@
 # Usage: benchmarks/gpu_check.sh   (from the repository root, kvloop installed or in src/)
 # Results go to $OUT (default ./gpu-check-out); PYTHON picks the interpreter.
 set -uo pipefail
-out=${OUT:-gpu-check-out}
-py=${PYTHON:-python3}
-mkdir -p "$out"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-step "machine"
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee "$out/machine.txt"
-$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$out/machine.txt"
-lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$out/machine.txt"
+. "$(dirname "$0")/gpu_common.sh"
 
 step "tests: torch executor and server, CPU and CUDA"
 timeout ${T_TESTS:-180} $py -m pytest -q -p no:cacheprovider -m "not ray" tests/torch tests/server 2>&1 \

@@ -13,19 +13,9 @@
 set -uo pipefail
 src=${1:?usage: benchmarks/sim_gpu_check.sh MODEL_SRC [GPU_PRESET]}
 gpu=${2:-h200}
-out=${OUT:-gpu-check-out}
-py=${PYTHON:-python3}
 device=${DEVICE:-cuda}
-mkdir -p "$out"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_common.sh"
 model=$(mktemp -d)/model
-
-step() { echo; echo "=== $* ($(date +%T))"; }
-
-step "machine"
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee "$out/machine.txt"
-$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$out/machine.txt"
-lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$out/machine.txt"
 
 step "random-weight model from $src"
 $py benchmarks/random_model.py "$src" "$model" --dtype bfloat16 || exit 1
