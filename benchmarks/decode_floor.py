@@ -120,6 +120,14 @@ def profile_shares(engine: LLMEngine, batch: int) -> str:
     return ", ".join(f"{k} {v / wall:.0%}" for k, v in shares.items())
 
 
+def _engine(args: argparse.Namespace, batches: list[int]) -> LLMEngine:
+    """The engine of the run: the model and dtype asked for, room for the largest batch."""
+    return LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype,
+                                          quantization=args.quantization, device=args.device,
+                                          max_num_seqs=max(batches),
+                                          max_num_batched_tokens=4096))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--batches", default="1,8,32")
@@ -130,11 +138,10 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype,
-                                            quantization=args.quantization,
-                                            device=args.device,
-                                            max_num_seqs=max(batches),
-                                            max_num_batched_tokens=4096))
+    try:
+        engine = _engine(args, batches)
+    except ValueError as exc:
+        p.error(str(exc))
     nbytes = engine.executor.model.num_parameter_bytes  # tied head counted once
     device = engine.executor.device
     bandwidth = read_bandwidth(device)

@@ -144,3 +144,20 @@ def _snap(w: torch.Tensor) -> torch.Tensor:
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     step = (high - low) / 15
     return (low + ((groups - low) / step).round() * step).view(w.shape)
+
+
+def test_auto_dtype_with_int4_is_bfloat16_and_says_why(llama_model,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2"}))  # no native bf16
+    runner = make_runner(llama_model, dtype="auto", quantization="int4")
+    assert runner.dtype == torch.bfloat16 and runner.dtype_note == "auto: for int4"
+    plain = make_runner(llama_model, dtype="auto", quantization="none")
+    assert plain.quantization is None and plain.dtype == torch.float32
+    assert plain.dtype_note == "auto: no native bfloat16 on this CPU"
+    assert make_runner(llama_model, dtype="float32").dtype_note == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_cuda_without_cuda_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="device cuda: this torch build has no CUDA"):
+        loader.resolve_device("cuda")

@@ -114,6 +114,8 @@ def startup_line(engine: Any, model: str, url: str) -> str:
     device = getattr(runner, "device", None)
     dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).removeprefix(
         "torch.")
+    if note := getattr(runner, "dtype_note", ""):
+        dtype += f"; {note}"
     where = f" on {device} ({dtype})" if device is not None else ""
     pool = getattr(getattr(runner, "kv_cache", None), "gpu", None)
     memory = f", {format_size(pool.nbytes)}" if pool is not None else ""

@@ -219,6 +219,8 @@ def _describe(engine: LLMEngine) -> tuple[str, str]:
     cfg = getattr(runner, "model_config", None)
     dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).replace(
         "torch.", "")
+    if note := getattr(runner, "dtype_note", ""):
+        dtype += f" ({note})"
     loaded = (f"{getattr(cfg, 'architecture', 'model')} {dtype} on "
               f"{getattr(runner, 'device', '?')}")
     cache = engine.scheduler.cache_config

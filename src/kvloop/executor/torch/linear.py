@@ -132,13 +132,14 @@ def check_quantization(quantization: str | None, device: torch.device,
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or none; "
-                         f"got {quantization!r}")
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or none "
+                         f"(None); got {quantization!r}")
     if device.type != "cpu":
         raise ValueError(f"quantization {quantization} runs on CPU only (device {device})")
     if dtype != torch.bfloat16:
         raise ValueError(f"quantization {quantization} needs dtype bfloat16 (its kernel's "
-                         f"activations); got {str(dtype).removeprefix('torch.')}")
+                         f"activations); got {str(dtype).removeprefix('torch.')}: use "
+                         "--dtype bfloat16 or auto")
 
 
 def make_linear(weight: Tensor, bias: Tensor | None, *, quantization: str | None = None,

@@ -30,6 +30,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this torch build has no CUDA or sees no GPU "
+                         f"(torch {torch.__version__}); use device cpu")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -51,6 +54,17 @@ def cpu_flags() -> frozenset[str]:
 def cpu_has_native_bf16() -> bool:
     """Whether the CPU computes bfloat16 natively (AVX-512-BF16 or AMX-BF16)."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def auto_dtype_note(device: torch.device, dtype: torch.dtype) -> str:
+    """Why ``dtype="auto"`` gave ``dtype`` on ``device``, for status lines."""
+    if device.type == "cuda":
+        return "auto: CUDA"
+    if dtype != torch.bfloat16:
+        return "auto: no native bfloat16 on this CPU"
+    flags = cpu_flags()
+    native = "AMX" if "amx_bf16" in flags else "AVX-512-BF16" if "avx512_bf16" in flags else ""
+    return f"auto: {native}" if native else "auto: for int4"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -26,7 +26,12 @@ from kvloop.executor.torch.kv_cache import (
     physical_memory,
 )
 from kvloop.executor.torch.linear import check_quantization
-from kvloop.executor.torch.loader import load_model, resolve_device, resolve_dtype
+from kvloop.executor.torch.loader import (
+    auto_dtype_note,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.sampler import Sampler, SamplingState
 
@@ -94,9 +99,16 @@ class TorchModelRunner:
         seed: int = 0,
     ) -> None:
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        if quantization == "none":
+            quantization = None
+        # NOTE: int4's kernel takes bfloat16 activations, so "auto" means bfloat16 with it
+        # even on CPUs without native bfloat16.
+        auto = dtype == "auto"
+        self.dtype = torch.bfloat16 if auto and quantization else resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
+        self.dtype_note = auto_dtype_note(self.device, self.dtype) if auto else ""
+        """Why ``auto`` chose this dtype (empty when the dtype was given)."""
         self.seed = seed
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -138,8 +150,8 @@ class TorchModelRunner:
 
     @property
     def precision(self) -> str:
-        """The activation dtype, and the weights' quantisation if any: ``"bfloat16"``,
-        ``"bfloat16, int4 weights"``."""
+        """The activation dtype and the weights' quantisation if any: ``"float32"``,
+        ``"bfloat16, int4 weights"`` (``dtype_note`` says why when ``auto`` chose it)."""
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{dtype}, {self.quantization} weights" if self.quantization else dtype
 
