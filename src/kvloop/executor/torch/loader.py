@@ -67,9 +67,11 @@ def auto_dtype_note(device: torch.device, dtype: torch.dtype) -> str:
     return f"auto: {native}" if native else "auto: for int4"
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA and on CPUs with native bfloat16 (AVX-512-BF16, AMX),
-    else float32; or one of float32/bfloat16/float16.
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device,
+                  quantization: str | None = None) -> torch.dtype:
+    """``"auto"``: bfloat16 on CUDA, on CPUs with native bfloat16 (AVX-512-BF16, AMX) and
+    with a ``quantization`` (int4's kernel takes bfloat16 activations), else float32; or one
+    of float32/bfloat16/float16.
 
     NOTE: on CPUs without native bfloat16, torch emulates it and fp16 is slower still, so
     float32 is the fast exact-enough choice there."""
@@ -78,7 +80,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
             raise ValueError(f"unsupported dtype {dtype}")
         return dtype
     if dtype == "auto":
-        native = device.type == "cuda" or cpu_has_native_bf16()
+        native = device.type == "cuda" or cpu_has_native_bf16() or quantization is not None
         return torch.bfloat16 if native else torch.float32
     try:
         return DTYPES[dtype]

@@ -101,10 +101,8 @@ class TorchModelRunner:
         self.device = resolve_device(device)
         if quantization == "none":
             quantization = None
-        # NOTE: int4's kernel takes bfloat16 activations, so "auto" means bfloat16 with it
-        # even on CPUs without native bfloat16.
         auto = dtype == "auto"
-        self.dtype = torch.bfloat16 if auto and quantization else resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, quantization)
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
         self.dtype_note = auto_dtype_note(self.device, self.dtype) if auto else ""

@@ -43,7 +43,7 @@ from kvloop.core.scheduler import Scheduler
 from kvloop.executor.simulated.calibration import Measurements
 from kvloop.executor.torch.attention import build_metadata, paged_attention, write_kv
 from kvloop.executor.torch.linear import Linear
-from kvloop.executor.torch.loader import cpu_flags
+from kvloop.executor.torch.loader import cpu_flags, cpu_has_native_bf16
 from kvloop.executor.torch.model_runner import TorchModelRunner
 from kvloop.executor.torch.models import llama as _llama
 from kvloop.executor.torch.models.llama import rms_norm
@@ -84,7 +84,7 @@ def device_name(device: torch.device) -> str:
         pass
     flags = cpu_flags()
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    if flags & {"avx512_bf16", "amx_bf16"}:
+    if cpu_has_native_bf16():
         isa += " with native bf16"
     name = f"{name}, {isa}"
     return f"{name}, {torch.get_num_threads()} threads"
