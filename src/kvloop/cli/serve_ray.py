@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS
+from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS, check_router
 
 APP_NAME = "kvloop"
 
@@ -46,8 +46,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def check_cluster_args(args: argparse.Namespace) -> None:
     """``ValueError`` naming the flag for a bad replica setting."""
-    if args.router not in ROUTERS:
-        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
+    check_router(args.router, "--router")
     if args.replicas is None:
         return
     if args.replicas < 1:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from kvloop.cli.args import add_scheduler_args, scheduler_args_from
-from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS
+from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS, check_router
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
@@ -203,8 +203,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
     (one JSONL stream records one scheduler's steps)."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    if args.router not in ROUTERS:
-        raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
+    check_router(args.router, "--router")
     if args.replicas > 1 and args.trace_out:
         raise ValueError("--trace-out records one replica's steps: not with --replicas > 1")
 

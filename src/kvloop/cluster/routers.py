@@ -216,14 +216,19 @@ DEFAULT_ROUTER = KVAwareRouter.name
 ``--router`` names another (one default, so a simulation predicts the served fleet)."""
 
 
+def check_router(name: str, field: str = "router") -> None:
+    """``ValueError`` naming ``field`` (``--router`` on the command line) for an unknown
+    router name."""
+    if name not in ROUTERS:
+        raise ValueError(f"{field} must be one of {', '.join(ROUTERS)}, got {name!r}")
+
+
 def make_router(name: str, **kwargs: object) -> Router:
     """A router by name (``ValueError`` naming ``router`` for an unknown one); ``kwargs``
     go to ``KVAwareRouter`` (``cache_blocks``, ``load_penalty``, ``imbalance``) and are
     ignored by routers that take none."""
-    try:
-        cls = ROUTERS[name]
-    except KeyError:
-        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}") from None
+    check_router(name)
+    cls = ROUTERS[name]
     return cls(**kwargs) if cls is KVAwareRouter else cls()
 
 
