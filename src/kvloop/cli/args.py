@@ -189,15 +189,13 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 def _quantization(text: str) -> str | None:
-    """``--quantization``: ``none`` or one of ``QUANTIZATIONS``."""
-    from kvloop.executor.torch.linear import QUANTIZATIONS
+    """``--quantization``: ``none`` or one of ``QUANTIZATIONS`` (``parse_quantization``)."""
+    from kvloop.executor.torch.linear import parse_quantization
 
-    if text == "none":
-        return None
-    if text not in QUANTIZATIONS:
-        raise argparse.ArgumentTypeError(
-            f"must be none or one of {', '.join(QUANTIZATIONS)}; got {text!r}")
-    return text
+    try:
+        return parse_quantization(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

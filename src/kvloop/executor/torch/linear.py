@@ -126,14 +126,23 @@ Linear = DenseLinear | SplitLinear | Int4Linear
 """One layer matrix in whichever layout :func:`make_linear` chose."""
 
 
+def parse_quantization(value: str | None) -> str | None:
+    """``quantization`` as given (None or ``"none"``: no quantization; else one of
+    ``QUANTIZATIONS``), ``ValueError`` naming the field otherwise."""
+    if value is None or value == "none":
+        return None
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or none "
+                         f"(None); got {value!r}")
+    return value
+
+
 def check_quantization(quantization: str | None, device: torch.device,
                        dtype: torch.dtype) -> None:
     """Refuse a quantization this device and dtype cannot run, naming the field."""
+    quantization = parse_quantization(quantization)
     if quantization is None:
         return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or none "
-                         f"(None); got {quantization!r}")
     if device.type != "cpu":
         raise ValueError(f"quantization {quantization} runs on CPU only (device {device})")
     if dtype != torch.bfloat16:

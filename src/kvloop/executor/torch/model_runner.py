@@ -25,7 +25,7 @@ from kvloop.executor.torch.kv_cache import (
     cuda_kv_budget,
     physical_memory,
 )
-from kvloop.executor.torch.linear import check_quantization
+from kvloop.executor.torch.linear import check_quantization, parse_quantization
 from kvloop.executor.torch.loader import (
     auto_dtype_note,
     load_model,
@@ -99,8 +99,7 @@ class TorchModelRunner:
         seed: int = 0,
     ) -> None:
         self.device = resolve_device(device)
-        if quantization == "none":
-            quantization = None
+        quantization = parse_quantization(quantization)
         auto = dtype == "auto"
         self.dtype = resolve_dtype(dtype, self.device, quantization)
         check_quantization(quantization, self.device, self.dtype)
