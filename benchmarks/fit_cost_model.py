@@ -9,7 +9,8 @@ writes, into ``src/kvloop/executor/simulated/data/``:
   fractions, sharpness) fitted to the QKV, O, gate/up and down GEMMs of every model and TP
   degree, and one memory-bound fit per small op (norms, RoPE, SwiGLU, residual add,
   embedding); ``derived``, their average, for GPUs without a profile; the default attention
-  curve (not in Vidur's data: public FlashAttention-3 figures, see ``ATTENTION``); and the
+  curve (not in Vidur's data: fitted to public causal FlashAttention-3 figures, see
+  ``FA3_CAUSAL_TFLOPS``); and the
   ``vllm`` engine-overhead preset derived from a public batch-1 decode measurement.
 - ``network.json``: median all-reduce times per interconnect and worker count, condensed
   to at most 24 log-spaced sizes.
@@ -29,9 +30,11 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, replace
+from functools import cache
 from pathlib import Path
 
 import numpy as np
+from scipy.optimize import least_squares
 
 from kvloop.executor.simulated.cost_model import CostModel
 from kvloop.executor.simulated.efficiency import (
@@ -56,19 +59,45 @@ PROFILED = {
 }
 DTYPE_BYTES = 2
 
-# Attention is not in Vidur's public profiles. Prefill: FlashAttention-3 forward on H100
-# SXM, head dim 128, batch x seqlen = 16k (pytorch/benchmark commit ff65cb67, "Fix dimension
-# order for FlashAttention-3"): 430, 517, 566, 590, 614, 621 TFLOP/s at 512 ... 16k tokens,
-# i.e. 0.435 ... 0.628 of 989 TF; e(k) = 0.637·k / (k + 240) passes within 2% of all six.
+# Attention is not in Vidur's public profiles. Prefill: FlashAttention-3's forward pass on
+# an H100 SXM, head dim 128, batch x seqlen = 16k, WITH the causal mask (Shah et al.,
+# "FlashAttention-3", arXiv 2407.08608, Fig. 5, causal head dim 128, as read from the
+# figure): TFLOP/s with the causal FLOPs counted (half the square), by sequence length.
+# NOTE: the cost model charges prefill the causal FLOPs F = 4·h·d·c·(p + (c+1)/2), so the
+# efficiency must come from causal runs. The curve shipped before was fitted to
+# pytorch/benchmark commit ff65cb67 (430 ... 621 TFLOP/s), which ran without the causal mask
+# (its flash_attention operator's --causal flag is off unless given, and the commit's test
+# plan does not give it): at 512 tokens that is 1.47x what the causal kernel reaches,
+# because the diagonal tiles are computed whole and causal rows end unevenly.
+FA3_CAUSAL_TFLOPS = {512: 292, 1024: 423, 2048: 521, 4096: 579, 8192: 602, 16384: 616}
+FA3_PEAK = 989.4e12  # H100 SXM dense bf16
 # Decode: assumed to stream KV as well as GEMMs stream weights (the GPU's memory fraction),
 # plus 32 tokens' worth of fixed work per request and 5 µs per layer per step.
-ATTENTION = {
-    "prefill_fraction": 0.637,
-    "prefill_half_context": 240.0,
+ATTENTION_FIXED = {
     "decode_half_context": 32.0,
     "launch_s": 5e-6,
     "chunk_s": 0.0,
 }
+
+
+@cache
+def fit_prefill_attention() -> tuple[dict[str, float], list[float]]:
+    """Fit ``e(k) = f·k / (k + k_half)`` to the causal FlashAttention-3 figures by least
+    squares on log efficiency; returns the two fields and the relative errors per figure."""
+    k = np.array(list(FA3_CAUSAL_TFLOPS), dtype=float)
+    e = np.array(list(FA3_CAUSAL_TFLOPS.values()), dtype=float) * 1e12 / FA3_PEAK
+    fit = least_squares(lambda p: np.log(p[0] * k / (k + p[1])) - np.log(e),
+                        x0=[0.6, 300.0], bounds=([1e-3, 0.0], [1.0, 1e5]))
+    f, half = (float(v) for v in fit.x)
+    fields = {"prefill_fraction": round(f, 4), "prefill_half_context": round(half, 1)}
+    pred = fields["prefill_fraction"] * k / (k + fields["prefill_half_context"])
+    return fields, [float(v) for v in pred / e - 1]
+
+
+def attention_fields() -> dict[str, float]:
+    """Every :class:`AttentionCurve` field but ``decode_fraction`` (the GPU's own)."""
+    return {**fit_prefill_attention()[0], **ATTENTION_FIXED}
+
 SMALL_OPS = ("norm", "rope", "activation", "residual", "embedding")
 
 # Public batch-1 decode of Llama-3.1-8B bf16 with vLLM: TPOT p50 6.48 ms on one H100 SXM
@@ -141,11 +170,12 @@ def fit_devices(vidur: Path) -> tuple[dict[str, DeviceEfficiency], dict[str, dic
             nbytes, times = zip(*ops[name], strict=True)
             fitted[name], op_err = fit_memory_op(nbytes, times, bw)
             q[f"{name}_median_abs_error"] = float(np.median(np.abs(op_err)))
-        attention = AttentionCurve(decode_fraction=curve.memory_fraction, **ATTENTION)
+        attention = AttentionCurve(decode_fraction=curve.memory_fraction, **attention_fields())
         devices[gpu] = DeviceEfficiency(
             gemm=curve, attention=attention, **fitted,
             source=f"fitted to Vidur's {gpu.upper()} operator profiles "
-            f"({len(err)} GEMMs; attention: FlashAttention-3 figures, see docs/simulator.md)",
+            f"({len(err)} GEMMs; attention: causal FlashAttention-3 figures, see "
+            "docs/simulator.md)",
         )
         quality[gpu] = q
     devices["derived"] = derive(list(devices.values()))
@@ -174,7 +204,7 @@ def derive(fits: list[DeviceEfficiency]) -> DeviceEfficiency:
     }
     return DeviceEfficiency(
         gemm=gemm,
-        attention=AttentionCurve(decode_fraction=gemm.memory_fraction, **ATTENTION),
+        attention=AttentionCurve(decode_fraction=gemm.memory_fraction, **attention_fields()),
         **ops,
         source="derived from the GPU's specs: the A100, A40 and H100 fits averaged (no "
         "operator profile of this GPU)",
@@ -272,6 +302,10 @@ def main() -> None:
               + " ".join(f"{op} {q[f'{op}_median_abs_error']:.0%}" for op in SMALL_OPS))
     g = devices["derived"].gemm
     print(f"{'derived':8} {g.compute_fraction:8.3f} {g.memory_fraction:7.3f} {g.sharpness:5.2f}")
+    prefill, prefill_err = fit_prefill_attention()
+    print(f"prefill attention: e(k) = {prefill['prefill_fraction']:.4f}·k / (k + "
+          f"{prefill['prefill_half_context']:.1f}), error vs the causal FA3 figures "
+          + " ".join(f"{e:+.1%}" for e in prefill_err))
     print(f"vLLM step overhead: {overhead.step_s * 1e3:.3f} ms (H100 kernels at batch 1: "
           f"{check['h100_kernels_s'] * 1e3:.2f} ms of the measured 6.48 ms)")
     print(f"cross-check A100-40GB batch-1 TPOT: predicted "

@@ -110,7 +110,8 @@ class AttentionCurve:
     """
 
     prefill_fraction: float
-    """Fraction of peak FLOP/s prefill attention reaches on long contexts."""
+    """Fraction of peak FLOP/s prefill attention reaches on long contexts, causal FLOPs
+    counted (so it must come from causal runs: see ``benchmarks/fit_cost_model.py``)."""
     prefill_half_context: float
     """Context length (tokens) at which prefill attention reaches half of that."""
     decode_fraction: float
