@@ -136,12 +136,20 @@ def main() -> int:
     p.add_argument("--quantization", default=None, choices=["int4"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
+    p.add_argument("--attention", default="auto", choices=["auto", "gather", "flex"],
+                   help="paged attention path: gather the blocks (CPU default) or read them "
+                        "in place with FlexAttention (CUDA default)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.attention == "flex" and args.device != "cuda":
+        p.error("--attention flex is a CUDA path: on CPU FlexAttention runs its eager "
+                "reference, which scores every slot of the pool (kept for the tests only)")
     try:
         engine = _engine(args, batches)
     except ValueError as exc:
         p.error(str(exc))
+    if args.attention != "auto":
+        engine.executor.flex_attention = args.attention == "flex"
     nbytes = engine.executor.model.num_parameter_bytes  # tied head counted once
     device = engine.executor.device
     bandwidth = read_bandwidth(device)
@@ -149,7 +157,8 @@ def main() -> int:
     dtype = str(engine.executor.dtype).removeprefix("torch.")
     if args.quantization:
         dtype += f", {args.quantization} weights"
-    print(f"# {device_name(device)}; {args.model} ({dtype}): weights "
+    path = "flex, in place" if engine.executor.flex_attention else "gather"
+    print(f"# {device_name(device)}; {args.model} ({dtype}, attention: {path}): weights "
           f"{nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
           f"{floor * 1000:.1f} ms per step")
     decode_steps(engine, 1, seed=99)  # NOTE: warm-up (first-call allocations)

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvloop.executor.torch import KVCache  # noqa: E402
 from kvloop.executor.torch import attention as attn_mod  # noqa: E402
+from kvloop.executor.torch.flex import flex_paged_attention  # noqa: E402
 from kvloop.executor.torch.models.llama import rope_inv_freq  # noqa: E402
 
 
@@ -99,6 +100,20 @@ def test_preemption_by_swap(tiny: TinyModel, device: str) -> None:
     assert s.stats.num_blocks_swapped_in > 0
 
 
+def test_flex_attention_serves_like_transformers(llama_model: TinyModel, device: str) -> None:
+    """The in-place (FlexAttention) path through the whole loop: chunked prompts, a shared
+    cached prefix, decodes and swap preemption give transformers' greedy tokens."""
+    runner = make_runner(
+        llama_model, device, num_gpu_blocks=12, num_cpu_blocks=32, max_num_batched_tokens=16,
+        flex_attention=True,
+    )
+    base = prompts_of([22], llama_model.vocab_size, seed=8)[0]
+    prompts = [base, [*base[:17], 5, 6], *prompts_of([9, 14], llama_model.vocab_size, seed=9)]
+    reqs, s = drive(runner, prompts, 14, arrive_at=[0, 3, 4, 6], preemption_mode="swap")
+    assert_matches(llama_model, reqs, 14)
+    assert s.stats.prefix_cache_hits > 0 and s.stats.num_swap_preemptions > 0
+
+
 def test_requests_arriving_while_others_decode(tiny: TinyModel, device: str) -> None:
     runner = make_runner(tiny, device, max_num_batched_tokens=16)
     prompts = prompts_of([6, 25, 3, 14, 9], tiny.vocab_size, seed=7)
@@ -127,10 +142,13 @@ def test_split_attention_groups(
     assert max(seen) >= 4
 
 
-@pytest.mark.parametrize("overhead", [512, 0])
+@pytest.mark.parametrize(("overhead", "flex"), [(512, False), (0, False), (0, True)])
 def test_paged_attention_matches_dense(
-    device: str, overhead: int, monkeypatch: pytest.MonkeyPatch
+    device: str, overhead: int, flex: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both attention paths (gather, and FlexAttention reading the blocks in place) against
+    a dense reference, on decodes and prefill chunks with cached prefixes; requests r1 and
+    r5 share their first block, as a cached prefix does."""
     monkeypatch.setattr(attn_mod, "_GROUP_OVERHEAD", overhead)
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -141,6 +159,7 @@ def test_paged_attention_matches_dense(
     for start, n in reqs:
         need = -(-(start + n) // bs)
         tables.append([free.pop() for _ in range(need)])
+    tables[5][0] = tables[1][0]
     meta, positions = attn_mod.build_metadata(
         starts=[r[0] for r in reqs],
         lengths=[r[1] for r in reqs],
@@ -149,10 +168,12 @@ def test_paged_attention_matches_dense(
         block_size=bs,
         device=dev,
         dtype=torch.float32,
+        flex_pool_blocks=64 if flex else None,
     )
     assert len(meta.groups) >= (2 if overhead == 0 else 1)
     cache = torch.zeros(2, 64, bs, kv, d, device=dev)
     dense = [torch.randn(2, s + n, kv, d, generator=gen).to(dev) for s, n in reqs]
+    dense[5][:, :bs] = dense[1][:, :bs]  # the shared block holds the same K/V
     for (start, _), table, kvs in zip(reqs, tables, dense, strict=True):
         for p in range(start):  # the already cached context
             cache[:, table[p // bs], p % bs] = kvs[:, p]
@@ -160,7 +181,8 @@ def test_paged_attention_matches_dense(
     new_v = torch.cat([kvs[1, s:] for (s, _), kvs in zip(reqs, dense, strict=True)])
     attn_mod.write_kv(cache, new_k, new_v, meta.slot_mapping)
     q = torch.randn(len(positions), heads, d, generator=gen).to(dev)
-    out = attn_mod.paged_attention(q, cache, meta, d**-0.5)
+    attend = flex_paged_attention if flex else attn_mod.paged_attention
+    out = attend(q, cache, meta, d**-0.5)
     row = 0
     for (start, n), kvs in zip(reqs, dense, strict=True):
         for t in range(n):

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from kvloop.executor.torch.flex import block_masks
 
 _GROUP_OVERHEAD = 512
 """Cost of one more attention call per layer, in gathered-slot equivalents (CPU-measured:
@@ -73,6 +76,9 @@ class AttentionMetadata:
     slot_mapping: Tensor
     """[T] int64: cache slot of each new token."""
     groups: list[AttentionGroup]
+    flex_masks: list[BlockMask] | None = None
+    """One FlexAttention block mask per group when the step reads the blocks in place
+    (``flex.flex_paged_attention``); None on the gather path."""
 
 
 def build_metadata(
@@ -84,12 +90,15 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    flex_pool_blocks: int | None = None,
 ) -> tuple[AttentionMetadata, Tensor]:
     """Metadata and the [T] positions of a step whose requests compute tokens
     ``[starts[i], starts[i] + lengths[i])`` with the given block tables.
 
     The first ``num_decodes`` requests have one token each; requests of each kind should be
-    sorted by context length (``start + length``) so that groups pad little."""
+    sorted by context length (``start + length``) so that groups pad little. With
+    ``flex_pool_blocks`` (the pool's block count) the metadata also holds the block masks
+    that read the blocks in place (``flex.py``)."""
     n_req = len(starts)
     ctx_l = [s + n for s, n in zip(starts, lengths, strict=True)]
     starts_t = torch.tensor(starts, dtype=torch.long)
@@ -115,6 +124,10 @@ def build_metadata(
     if device.type != "cpu":
         meta = _to_device(meta, device)
         positions = positions.to(device, non_blocking=True)
+    if flex_pool_blocks is not None:
+        meta.flex_masks = block_masks(
+            table, starts_t, lens_t, ctx_l, groups, block_size, flex_pool_blocks, device
+        )
     return meta, positions
 
 

@@ -97,8 +97,13 @@ class TorchModelRunner:
         max_num_seqs: int,
         max_model_len: int | None = None,
         seed: int = 0,
+        flex_attention: bool | None = None,
     ) -> None:
         self.device = resolve_device(device)
+        on_cuda = self.device.type == "cuda"
+        self.flex_attention: bool = on_cuda if flex_attention is None else flex_attention
+        """Attention reads the KV blocks in place (``flex.py``) instead of gathering them;
+        None means on CUDA only (on CPU the gather path is faster, see ``flex.py``)."""
         quantization = parse_quantization(quantization)
         auto = dtype == "auto"
         self.dtype = resolve_dtype(dtype, self.device, quantization)
@@ -305,6 +310,7 @@ class TorchModelRunner:
             block_size=self.block_size,
             device=dev,
             dtype=self.dtype,
+            flex_pool_blocks=self.num_gpu_blocks if self.flex_attention else None,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)

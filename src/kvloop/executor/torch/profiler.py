@@ -137,7 +137,7 @@ def _powers(limit: int) -> list[int]:
 @contextmanager
 def _attention_stubbed() -> Iterator[None]:
     """The model's forward with attention replaced by a zero output and no KV writes."""
-    saved = (_llama.paged_attention, _llama.write_kv)
+    saved = (_llama.paged_attention, _llama.flex_paged_attention, _llama.write_kv)
 
     def no_attention(
         q: torch.Tensor, cache: torch.Tensor, meta: object, scale: float
@@ -145,11 +145,12 @@ def _attention_stubbed() -> Iterator[None]:
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
 
     _llama.paged_attention = no_attention  # type: ignore[assignment]
+    _llama.flex_paged_attention = no_attention  # type: ignore[assignment]
     _llama.write_kv = lambda *a, **k: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        _llama.paged_attention, _llama.write_kv = saved
+        _llama.paged_attention, _llama.flex_paged_attention, _llama.write_kv = saved
 
 
 class Profiler:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvloop.executor.torch.attention import AttentionMetadata, paged_attention, write_kv
+from kvloop.executor.torch.flex import flex_paged_attention
 from kvloop.executor.torch.linear import Linear, make_linear
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ class LlamaForCausalLM:
         half = head_dim // 2
         cos, sin = self.rope(positions)
         slots = meta.slot_mapping
+        attention = paged_attention if meta.flex_masks is None else flex_paged_attention
         x = F.embedding(input_ids, self.embed)
         # NOTE: x is this step's own buffer: residual adds go into it in place (fused with
         # the output projections as addmm), and RoPE / SiLU·up work in place in their
@@ -205,7 +207,7 @@ class LlamaForCausalLM:
             qk.mul_(cos).addcmul_(rotated, sin)
             v = qkv[:, qk_size:].view(num_tokens, -1, head_dim)
             write_kv(cache, qk[:, num_heads:], v, slots)
-            attn = paged_attention(qk[:, :num_heads], cache, meta, self.scale)
+            attn = attention(qk[:, :num_heads], cache, meta, self.scale)
             layer.o.add_to_(x, attn)
             h = rms_norm(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
