@@ -57,7 +57,8 @@ class SchedulerConfig:
     proportional to its weight (default 1)."""
     cost_aware_preemption: bool = True
     """Save the work preemption throws away (``kvloop.core.preemption``): admission keeps
-    free blocks for the running requests' next 64 tokens each; a request waits a step when
+    free blocks for the running requests' unfinished prompts and their next 64 tokens each,
+    and admits a prompt only if all of it fits beside them; a request waits a step when
     one finishing in it frees the blocks it lacks; victims preempted ``max_preemptions``
     times or freeing no block are spared; at most one step's budget of work is thrown
     away per step. False: vLLM's rules (admit while blocks are free, newest victim)."""

@@ -41,7 +41,10 @@ def test_long_prompt_chunked_while_decodes_continue():
 
 
 def test_partial_prefill_limit_lets_short_prompts_through():
+    # NOTE: a pool that holds the three long prompts whole; cost-aware admission would not
+    # start a second one that cannot finish beside the first.
     s = make_scheduler(
+        num_gpu_blocks=160,
         max_num_batched_tokens=40,
         max_model_len=512,
         max_num_partial_prefills=2,

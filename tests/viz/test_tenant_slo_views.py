@@ -176,4 +176,10 @@ def test_summary_slo_flags_replace_the_recorded_targets(slo_run) -> None:
     tight = summarize_trace(records, slo_ttft=1e-9, slo_tpot=1e-9)
     assert loose["goodput"] == pytest.approx(loose["request_throughput"])
     assert not tight["goodput"]
-    assert (recorded["goodput"] or 0) < loose["goodput"]
+    # NOTE: the recorded targets (0.02 s / 0.05 s) are what the summary uses without flags;
+    # whether any completed request misses them depends on the scheduler, so compare
+    # with flags at those values and at a tighter TTFT rather than with the loose ones.
+    same = summarize_trace(records, slo_ttft=0.02, slo_tpot=0.05)
+    tighter = summarize_trace(records, slo_ttft=0.01, slo_tpot=0.05)
+    assert recorded["goodput"] == pytest.approx(same["goodput"])
+    assert 0 < tighter["goodput"] < recorded["goodput"] <= loose["goodput"]

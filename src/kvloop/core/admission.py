@@ -3,7 +3,8 @@
 Part of ``Scheduler`` (a mixin: the state is the scheduler's). Requests are popped in the
 policy's order and admitted while the step has tokens, seats and KV blocks for them; a
 policy may reject one it can no longer serve well; under cost-aware preemption admission
-keeps growth headroom for the running requests (``_headroom``).
+keeps growth headroom for the running requests (``_headroom``) and the blocks their
+unfinished prompts still need (``_pending_prompt_blocks``), and counts a new prompt whole.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Admission:
     running: list[Request]
     swapped: list[Request]
     waiting: WaitingQueue
+    requests: dict[str, Request]
     _prefilling: set[str]
     _unforked: dict[str, int]
 
@@ -63,8 +65,14 @@ class Admission:
         # NOTE: it starts as the bound HEADROOM_TOKENS per running request (O(1)) and is
         # summed exactly over the running requests only when that bound would hold a
         # request back, so a roomy pool pays nothing per running request.
+        # NOTE: a prompt's later chunks are certain growth, not a guess: a request is
+        # admitted only if its whole prompt fits beside the rest of the running prompts
+        # (``pending``) and the headroom. Admitted on its first chunk alone, a long prompt
+        # later takes the last free blocks and the next one to grow preempts it (or it
+        # preempts the decodes), throwing away thousands of computed tokens.
         headroom = -1  # tokens; -1: no headroom kept
         exact = False
+        pending = -1  # blocks the running prompts still need; -1: not counted yet
         if cfg.cost_aware_preemption:
             headroom = len(self.running) * HEADROOM_TOKENS
         preempts = self.policy.preempts_running
@@ -111,7 +119,10 @@ class Admission:
                     skipped.append(req)  # a shorter prompt behind it may still fit
                     continue
             if headroom > 0:
-                left = kv.num_free_blocks - (kv.blocks_needed(num_hit + n) - len(hits))
+                if pending < 0:
+                    pending = self._pending_prompt_blocks()
+                whole = num_hit + remaining  # the prompt (a leader's: all but its last token)
+                left = kv.num_free_blocks - (kv.blocks_needed(whole) - len(hits)) - pending
                 if left < kv.blocks_needed(headroom) and not exact:
                     headroom, exact = _headroom(self.running), True
                 if left < kv.blocks_needed(headroom) and (
@@ -135,10 +146,24 @@ class Admission:
             self._admit(req, n, num_hit, new_ids, b)
             if headroom >= 0:
                 headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
+                if pending >= 0 and n < remaining:  # the chunks it has yet to compute
+                    whole, first = num_hit + remaining, num_hit + n
+                    pending += kv.blocks_needed(whole) - kv.blocks_needed(first)
             if group is not None:
                 reserved = sum(unforked.values())
         if skipped:
             waiting.add_front(skipped)
+
+    def _pending_prompt_blocks(self) -> int:
+        """Blocks the running requests still need to finish their prompts (or recompute),
+        beyond those they hold."""
+        kv, requests, pending = self.kv, self.requests, 0
+        for rid in self._prefilling:
+            r = requests[rid]
+            end = r.num_tokens - (1 if r.output_token_ids else 0)
+            if r.num_computed_tokens < end:
+                pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
+        return pending
 
     def _admit(
         self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
