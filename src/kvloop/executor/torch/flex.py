@@ -72,35 +72,40 @@ def _mask_mod(
 
 def group_block_mask(
     table: Tensor, starts: Tensor, lens: Tensor, logical: Tensor, block_size: int,
-    num_slots: int,
+    num_slots: int, device: torch.device,
 ) -> BlockMask:
     """The block mask of one group: requests with padded block tables ``table`` ([B, n]
-    int, logical order) computing ``lens`` tokens from ``starts`` (both [B] int64), over a
-    pool of ``num_slots`` key slots. ``logical`` is the step's physical → logical block
-    map."""
-    device = table.device
+    int64, logical order) computing ``lens`` tokens from ``starts`` (both [B] int64), over
+    a pool of ``num_slots`` key slots. ``logical`` is the step's physical → logical block
+    map, on ``device``; the other inputs are on CPU (no device sync while building)."""
     q_max = int(lens.max())
-    rows = torch.arange(q_max, device=device)
+    rows = torch.arange(q_max)
     # Padded query rows repeat their chunk's last token (as on the gather path).
     q_pos = starts[:, None] + torch.minimum(rows[None, :], (lens - 1)[:, None])
     num_q_blocks = -(-q_max // Q_BLOCK)
     first = q_pos[:, ::Q_BLOCK]  # [B, M]: position of each query block's first row
-    last_row = (torch.arange(1, num_q_blocks + 1, device=device) * Q_BLOCK).clamp_(max=q_max)
+    last_row = (torch.arange(1, num_q_blocks + 1) * Q_BLOCK).clamp_(max=q_max)
     last = q_pos[:, last_row - 1]  # [B, M]: and of its last row
     n_full = torch.div(first + 1, block_size, rounding_mode="floor")
-    n_all = torch.div(last, block_size, rounding_mode="floor") + 1
-    n_part = n_all - n_full
-    cols = n_full[..., None] + torch.arange(int(n_part.max()), device=device)
+    n_part = torch.div(last, block_size, rounding_mode="floor") + 1 - n_full
+    cols = n_full[..., None] + torch.arange(int(n_part.max()))
     cols = cols.clamp_(max=table.shape[1] - 1)  # past n_part: never read
-    partial = torch.gather(table[:, None, :].expand(-1, num_q_blocks, -1), 2, cols)
-    full = table[:, None, :].expand(-1, num_q_blocks, -1)
+    rows_of = table[:, None, :].expand(-1, num_q_blocks, -1)
+    partial = torch.gather(rows_of, 2, cols)
+
+    def dev(t: Tensor) -> Tensor:  # [B, M, ...] -> [B, 1 (heads), M, ...] int32
+        return t.int()[:, None].to(device, non_blocking=True)
+
+    table_d, starts_d, last_d = (
+        t.to(device, non_blocking=True) for t in (table, starts, lens - 1)
+    )
     return BlockMask.from_kv_blocks(
-        n_part.int()[:, None],
-        partial.int()[:, None],
-        n_full.int()[:, None],
-        full.int().contiguous()[:, None],
+        dev(n_part),
+        dev(partial),
+        dev(n_full),
+        dev(rows_of.contiguous()),
         BLOCK_SIZE=(Q_BLOCK, block_size),
-        mask_mod=_mask_mod(table, logical, starts, lens - 1, block_size),
+        mask_mod=_mask_mod(table_d, logical, starts_d, last_d, block_size),
         seq_lengths=(q_max, num_slots),
         compute_q_blocks=False,
     )
@@ -112,22 +117,21 @@ def block_masks(
 ) -> list[BlockMask]:
     """One block mask per group of the step (``attention.build_metadata``): ``table``
     [R, n] padded block tables, ``starts``/``lens`` [R] of the step's requests in group
-    order, ``ctx`` their context lengths, over a pool of ``pool_blocks`` blocks."""
+    order (all on CPU), ``ctx`` their context lengths, over a pool of ``pool_blocks``
+    blocks."""
     need = torch.tensor([-(-c // block_size) for c in ctx])
     cols = torch.arange(table.shape[1])
     valid = cols[None, :] < need[:, None]  # padding (block 0) must not enter the map
     logical = torch.zeros(pool_blocks, dtype=torch.int32)
     logical[table[valid]] = cols.expand_as(table)[valid].int()
-    table, starts, lens, logical = (
-        t.to(device, non_blocking=True) for t in (table, starts, lens, logical)
-    )
+    logical = logical.to(device, non_blocking=True)
     masks = []
     lo = 0
     for g in groups:
         hi = lo + g.num_seqs
         masks.append(group_block_mask(
             table[lo:hi], starts[lo:hi], lens[lo:hi], logical, block_size,
-            pool_blocks * block_size,
+            pool_blocks * block_size, device,
         ))
         lo = hi
     return masks
