@@ -261,23 +261,29 @@ def test_headroom_only_reserves_what_max_tokens_allows():
     assert len(out.num_scheduled_tokens) == 4
 
 
+def _second_admitted(
+    first: tuple[str, int, int], second: tuple[str, int, int], cost_aware: bool, **cfg: object
+) -> tuple[bool, object]:
+    """Run ``first`` one step, add ``second``: was it admitted at once, and the stats once
+    both finished. Requests are (id, prompt tokens, max tokens); pool of 16 blocks of 4."""
+    s = make_scheduler(num_gpu_blocks=16, block_size=4, enable_prefix_caching=False,
+                       cost_aware_preemption=cost_aware, **cfg)
+    s.add_request(req(*first, arrival=0.0))
+    step(s)
+    s.add_request(req(*second, arrival=1.0))
+    admitted = second[0] in step(s).num_scheduled_tokens
+    run_all(s)
+    return admitted, s.stats
+
+
 def test_admission_counts_a_long_prompt_whole_not_its_first_chunk():
     # decoding grows to 8 blocks; long needs 12 (40 prompt + 8 output tokens) of the 16.
     # Its first 7-token chunk fits, but admitted on it alone, its later chunks take the
     # blocks decoding grows into and someone is preempted; cost-aware waits instead.
-    def run(cost_aware: bool):
-        s = make_scheduler(num_gpu_blocks=16, block_size=4, max_num_batched_tokens=8,
-                           enable_prefix_caching=False, cost_aware_preemption=cost_aware)
-        s.add_request(req("decoding", 8, 24, arrival=0.0))
-        step(s)
-        s.add_request(req("long", 40, 8, arrival=1.0))
-        admitted = "long" in step(s).num_scheduled_tokens
-        run_all(s)
-        return admitted, s.stats
-
-    admitted, newest = run(cost_aware=False)
+    pair = (("decoding", 8, 24), ("long", 40, 8))
+    admitted, newest = _second_admitted(*pair, cost_aware=False, max_num_batched_tokens=8)
     assert admitted and newest.num_preemptions > 0 and newest.num_recomputed_tokens > 0
-    admitted, cost = run(cost_aware=True)
+    admitted, cost = _second_admitted(*pair, cost_aware=True, max_num_batched_tokens=8)
     assert not admitted  # 12 blocks + decoding's headroom do not fit the 14 free
     assert cost.num_preemptions == 0 and cost.num_recomputed_tokens == 0
 
@@ -286,20 +292,12 @@ def test_admission_reserves_the_rest_of_a_running_prompt():
     # long (32 + 8 tokens, 10 blocks) has 4 blocks after its first chunk and needs 4 more
     # for its prompt. second's first chunk (4 blocks) and even its whole prompt (7) fit
     # the 12 free blocks, but not beside long's 4 and long's headroom (2): it waits.
-    def run(cost_aware: bool):
-        s = make_scheduler(num_gpu_blocks=16, block_size=4, max_num_batched_tokens=16,
-                           enable_prefix_caching=False, cost_aware_preemption=cost_aware,
-                           max_num_partial_prefills=2, scheduling_order="prefill-first")
-        s.add_request(req("long", 32, 8, arrival=0.0))
-        step(s)
-        s.add_request(req("second", 28, 8, arrival=1.0))
-        admitted = "second" in step(s).num_scheduled_tokens
-        run_all(s)
-        return admitted, s.stats
-
-    admitted, newest = run(cost_aware=False)
+    pair = (("long", 32, 8), ("second", 28, 8))
+    cfg = {"max_num_batched_tokens": 16, "max_num_partial_prefills": 2,
+           "scheduling_order": "prefill-first"}
+    admitted, newest = _second_admitted(*pair, cost_aware=False, **cfg)
     assert admitted and newest.num_preemptions > 0
-    admitted, cost = run(cost_aware=True)
+    admitted, cost = _second_admitted(*pair, cost_aware=True, **cfg)
     assert not admitted
     assert cost.num_preemptions == 0 and cost.num_recomputed_tokens == 0
 
