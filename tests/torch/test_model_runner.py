@@ -100,6 +100,7 @@ def test_preemption_by_swap(tiny: TinyModel, device: str) -> None:
     assert s.stats.num_blocks_swapped_in > 0
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_serves_like_transformers(llama_model: TinyModel, device: str) -> None:
     """The in-place (FlexAttention) path through the whole loop: chunked prompts, a shared
     cached prefix, decodes and swap preemption give transformers' greedy tokens."""
@@ -142,6 +143,7 @@ def test_split_attention_groups(
     assert max(seen) >= 4
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize(("overhead", "flex"), [(512, False), (0, False), (0, True)])
 def test_paged_attention_matches_dense(
     device: str, overhead: int, flex: bool, monkeypatch: pytest.MonkeyPatch

@@ -19,6 +19,9 @@ costs about ``requests × padded context`` gathered slots (prefill: times ``1 + 
 the padded query rows), plus a fixed overhead worth ``_GROUP_OVERHEAD`` slots. Equal lengths
 make one group; a long prompt next to short ones gets its own.
 
+``flex.py`` reads the same groups' blocks in place instead (the CUDA default): the metadata
+then carries one FlexAttention block mask per group and no additive masks.
+
 NOTE: the cache must be zero-initialised: masked slots still enter the ``P @ V`` product
 (with weight 0), and garbage NaNs there would poison the output.
 """
@@ -116,7 +119,11 @@ def build_metadata(
         rows.append([*blocks[:need], *([0] * (max_blocks - need))])
     table = torch.tensor(rows, dtype=torch.long)
     slots = table[req_of_tok, positions // block_size] * block_size + positions % block_size
-    build = _GroupBuilder(table, starts_t, lens_t, first_tok.tolist(), ctx_l, block_size, dtype)
+    # NOTE: the in-place path masks inside its kernel: no additive masks to build.
+    masks = flex_pool_blocks is None
+    build = _GroupBuilder(
+        table, starts_t, lens_t, first_tok.tolist(), ctx_l, block_size, dtype, masks
+    )
     groups = [build.decodes(lo, hi) for lo, hi in _split(ctx_l, [1] * num_decodes, 0, 0)]
     prefill_spans = _split(ctx_l, list(lengths[num_decodes:]), num_decodes, _PAIR_COST)
     groups += [build.prefills(lo, hi) for lo, hi in prefill_spans]
@@ -174,6 +181,8 @@ class _GroupBuilder:
     ctx: list[int]
     block_size: int
     dtype: torch.dtype
+    masks: bool
+    """Build the additive masks (the gather path's); False leaves ``mask`` None."""
 
     def _blocks(self, lo: int, hi: int) -> tuple[Tensor, int]:
         nblk = -(-max(self.ctx[lo:hi]) // self.block_size)
@@ -182,7 +191,7 @@ class _GroupBuilder:
     def decodes(self, lo: int, hi: int) -> AttentionGroup:
         blocks, width = self._blocks(lo, hi)
         mask = None
-        if min(self.ctx[lo:hi]) < width:
+        if self.masks and min(self.ctx[lo:hi]) < width:
             ctx = torch.tensor(self.ctx[lo:hi])
             allowed = torch.arange(width)[None, :] < ctx[:, None]
             mask = _additive(allowed.view(hi - lo, 1, 1, width), self.dtype)
@@ -201,7 +210,7 @@ class _GroupBuilder:
         group = AttentionGroup(row_start, row_end, hi - lo, blocks, None, q_max)
         if int(starts.max()) == 0:
             group.causal = True
-        else:
+        elif self.masks:
             q_pos = starts[:, None] + local
             allowed = (torch.arange(width)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
             group.mask = _additive(allowed, self.dtype)
