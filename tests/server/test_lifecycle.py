@@ -87,9 +87,28 @@ def test_signal_drains_and_exits_zero(tiny_model, tmp_path, sig: int) -> None:
         assert srv.proc.wait(30) == 0
         log = srv.proc.stdout.read() if srv.proc.stdout else ""
         assert "draining" in log
+        assert log.rstrip().endswith("kvloop serve: stopped"), log[-300:]
     requests = reconstruct_requests(load_records(str(trace)))
     assert requests[chunks[0]["id"]].finish_reason == "length"
     assert len(requests[chunks[0]["id"]].token_times) == 200
+
+
+def test_second_signal_aborts_and_exits_130(tiny_model) -> None:
+    with serve_subprocess(tiny_model, "--shutdown-timeout", "60") as srv, \
+            httpx.Client(timeout=30) as http, \
+            http.stream("POST", f"{srv.url}/v1/completions",
+                        json={**LONG, "max_tokens": 200}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        srv.terminate(signal.SIGINT)
+        time.sleep(0.2)
+        srv.terminate(signal.SIGINT)
+        events = _events(list(lines))
+        assert srv.proc.wait(30) == 130
+        log = srv.proc.stdout.read() if srv.proc.stdout else ""
+    assert "second signal: aborting 1 requests" in log, log[-500:]
+    assert "kvloop serve: stopped (1 requests aborted)" in log, log[-500:]
+    assert events and events[-1] == "[DONE]"  # the stream still ends cleanly
 
 
 def test_engine_loop_runs_on_the_thread_that_asks(tiny_model) -> None:

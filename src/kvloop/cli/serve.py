@@ -208,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
         http.join()
         if not server.started:
             return 1
+        aborted = f" ({server.aborted} requests aborted)" if server.aborted else ""
+        print(f"kvloop serve: stopped{aborted}", file=sys.stderr, flush=True)
+        if server.forced:
+            return 130
     finally:
         if trace is not None:
             trace.close()

@@ -2,7 +2,8 @@
 
 On the first signal new requests get 503 at once, running ones finish (at most
 ``timeout`` seconds, then they are aborted) and the process exits 0. A second signal
-aborts what is left and exits.
+aborts what is left and exits 130 (128 + SIGINT: interrupted, as a shell reports it).
+``aborted`` counts the requests a timeout or a second signal cut short.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
         self.drain_timeout = timeout
         self.drain_deadline: float | None = None
+        self.aborted = 0
+        """Requests aborted by the shutdown timeout or a second signal."""
+        self.forced = False
+        """A second signal ended the drain."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: replaces uvicorn's handler, which re-raises the signal after shutdown (the
@@ -37,8 +42,8 @@ class DrainingServer(uvicorn.Server):
             self.drain_deadline = time.monotonic() + self.drain_timeout
         else:
             logger.warning("second signal: aborting %d requests", self.engine.num_active)
-            self.engine.abort_all()
-            self.should_exit = True
+            self.forced = True
+            self._abort_all()
 
     async def on_tick(self, counter: int) -> bool:
         # NOTE: uvicorn calls this every 0.1 s on the event loop; the drain ends here.
@@ -49,6 +54,10 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif time.monotonic() >= deadline:
                 logger.warning("shutdown timeout: aborting %d requests", self.engine.num_active)
-                self.engine.abort_all()
-                self.should_exit = True
+                self._abort_all()
         return await super().on_tick(counter)
+
+    def _abort_all(self) -> None:
+        self.aborted += self.engine.num_active
+        self.engine.abort_all()
+        self.should_exit = True
