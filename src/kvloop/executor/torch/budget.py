@@ -6,14 +6,20 @@ budget follows from a target step time and the model's measured cost per prompt 
 64-token prefill steps through the runner at start-up, rounded down to a multiple of 64 in
 [64, 2048]. The first step of a fresh process is many times slower than the next ones
 (weights paged in, kernels and allocator caches set up: 36 ms/token cold against 1.4 warm for
-the default model on 2 cores), so one untimed step of the same size comes first and the
-fastest of ``_PROBE_REPEATS`` timed ones counts: a cold start picks the budget a warm one
-does. About half a second for the default model.
+the default model on 2 cores), so one untimed step of the same size comes first, and
+timed ones follow until the fastest has stopped improving (``_settled``): at least
+``_MIN_PROBES``, at most ``_MAX_PROBES`` or ``_PROBE_SECONDS``. Right after an install or
+a conversion the machine can stay slow for several steps (a fresh-clone review measured
+10-64 ms per token on the first probes); probing until the steps settle keeps such a start
+from choosing the minimum budget. About half a second for the default model on a warm
+machine. A machine that stays busy throughout still measures slow and gets a small budget:
+``--max-num-batched-tokens`` sets it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvloop.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
@@ -25,7 +31,11 @@ CPU_TARGET_STEP_S = 0.5
 """The step time the CPU budget aims at: what a prompt chunk adds to every stream's ITL."""
 MIN_BUDGET, MAX_BUDGET = 64, 2048
 _PROBE_TOKENS = 64
-_PROBE_REPEATS = 3
+_MIN_PROBES, _MAX_PROBES = 3, 12
+_PROBE_SECONDS = 5.0
+"""Probing stops after this long (timed probes only), settled or not."""
+_SETTLED = 0.9
+"""The fastest probe has settled once the last two probes did not beat it by 10%."""
 
 
 def prefill_time(runner: Any, tokens: int) -> float:
@@ -51,9 +61,24 @@ def default_token_budget(runner: Any) -> tuple[int, str]:
     prefill_time(runner, _PROBE_TOKENS)  # warm-up, untimed: the same shapes as the probes
     # NOTE: the fastest, not the mean: a slow repeat is the machine (a neighbour, a page-in),
     # not the model's cost.
-    per_token = min(prefill_time(runner, _PROBE_TOKENS)
-                    for _ in range(_PROBE_REPEATS)) / _PROBE_TOKENS
+    per_token = _settled(lambda: prefill_time(runner, _PROBE_TOKENS)) / _PROBE_TOKENS
     tokens = int(CPU_TARGET_STEP_S / per_token) // 64 * 64
     budget = min(MAX_BUDGET, max(MIN_BUDGET, tokens))
     return budget, (f"for ~{CPU_TARGET_STEP_S:g} s steps at ~{per_token * 1e3:.1f} ms per "
                     "prompt token, measured")
+
+
+def _settled(probe: Callable[[], float]) -> float:
+    """The fastest of repeated ``probe()`` times once it stops improving (module
+    docstring)."""
+    best = probe()
+    probes, since_better = 1, 0
+    deadline = time.monotonic() + _PROBE_SECONDS
+    while probes < _MAX_PROBES and time.monotonic() < deadline:
+        if probes >= _MIN_PROBES and since_better >= 2:
+            break
+        t = probe()
+        probes += 1
+        since_better = 0 if t < best * _SETTLED else since_better + 1
+        best = min(best, t)
+    return best
