@@ -164,7 +164,7 @@ def main() -> None:
     ), recorder=recorder)
     sched_cfg, cache_cfg = engine.scheduler.config, engine.scheduler.cache_config
     workload = make_workload(args.num_requests, args.request_rate, args.scale,
-                             engine.vocab_size or 1000, sched_cfg.max_model_len, args.seed)
+                             engine.limits.vocab_size or 1000, sched_cfg.max_model_len, args.seed)
     print(f"serving {len(workload)} requests at {args.request_rate} req/s "
           f"(prompts mean {statistics.fmean(len(w.prompt_token_ids) for w in workload):.0f}, "
           f"outputs mean {statistics.fmean(w.output_len for w in workload):.0f} tokens) on "
