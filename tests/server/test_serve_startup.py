@@ -26,8 +26,10 @@ def test_serve_prints_one_startup_line_before_serving(tiny_model: Path) -> None:
         live.terminate()
         output, _ = live.proc.communicate(timeout=30)
     lines = output.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("kvloop serve: ")]
+    starts = [i for i, line in enumerate(lines) if line.startswith("kvloop serve: model ")]
     assert len(starts) == 1, output
+    assert [line for line in lines if line.startswith("kvloop serve: ")] == [
+        lines[starts[0]], "kvloop serve: stopped"], output  # and one line when it stops
     line = lines[starts[0]]
     port = live.url.rsplit(":", 1)[1]
     assert f"model {tiny_model} (served as tiny-llama) on cpu (float32)" in line
