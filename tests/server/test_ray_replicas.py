@@ -89,7 +89,16 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             pytest.fail(f"kvloop serve --replicas 2 did not come up:\n{log.read()[-4000:]}")
         time.sleep(0.5)
     live = Cluster(proc, url, before)
+    # NOTE: the ingress's router learns its replicas from Ray by long poll, after the app
+    # reports ready; until it knows both, it routes everything to the one it knows (seen in
+    # CI: one replica in /metrics, all four kv-aware requests on it). Its first request
+    # creates that router; wait until it routes to both.
     try:
+        while len(live.per_replica("kvloop:num_requests_running")) < 2:
+            live.client.completions.create(model=MODEL_NAME, prompt="warm", max_tokens=1)
+            if time.monotonic() > deadline:
+                pytest.fail("the ingress never routed to both replicas")
+            time.sleep(0.2)
         yield live
     finally:
         if proc.poll() is None:
