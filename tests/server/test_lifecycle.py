@@ -4,6 +4,7 @@ timeout), exit 0. In process through the server's signal handler, and as a real 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -106,8 +107,13 @@ def test_second_signal_aborts_and_exits_130(tiny_model) -> None:
         events = _events(list(lines))
         assert srv.proc.wait(30) == 130
         log = srv.proc.stdout.read() if srv.proc.stdout else ""
-    assert "second signal: aborting 1 requests" in log, log[-500:]
-    assert "kvloop serve: stopped (1 requests aborted)" in log, log[-500:]
+    # NOTE: the stream may finish between the two signals (the tiny model is fast), so the
+    # count is whatever the second signal found; the stop line must report the same.
+    found = re.search(r"second signal: aborting (\d+) requests", log)
+    assert found, log[-500:]
+    n = int(found.group(1))
+    stopped = f"kvloop serve: stopped ({n} requests aborted)" if n else "kvloop serve: stopped"
+    assert log.rstrip().endswith(stopped), log[-500:]
     assert events and events[-1] == "[DONE]"  # the stream still ends cleanly
 
 
