@@ -71,6 +71,20 @@ class AttentionGroup:
     out_index: Tensor | None = None
     """[row_end - row_start] int64 rows of the padded output that are real tokens."""
 
+    def queries(self, q: Tensor) -> Tensor:
+        """This group's rows of the step's queries ``q`` ([T, H, d]), padded to its longest
+        chunk: [B, H, q_max, d]."""
+        qg = q[self.row_start : self.row_end]
+        if self.q_index is not None:
+            qg = qg.index_select(0, self.q_index)
+        return qg.view(self.num_seqs, self.q_max, *q.shape[1:]).transpose(1, 2)
+
+    def outputs(self, out: Tensor) -> Tensor:
+        """The real tokens' rows of a padded attention output [B, H, q_max, d]:
+        [row_end - row_start, H * d]."""
+        out = out.transpose(1, 2).reshape(self.num_seqs * self.q_max, -1)
+        return out if self.out_index is None else out.index_select(0, self.out_index)
+
 
 @dataclass
 class AttentionMetadata:
@@ -273,16 +287,11 @@ def paged_attention(q: Tensor, cache: Tensor, meta: AttentionMetadata, scale: fl
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
             parts.append(out.reshape(b, num_heads * head_dim))
             continue
-        if g.q_index is not None:
-            qg = qg.index_select(0, g.q_index)
-        qg = qg.view(b, g.q_max, num_heads, head_dim).transpose(1, 2)
         if g.causal:  # square scores: every backend's is_causal agrees on them
             k, v = k[:, :, : g.q_max], v[:, :, : g.q_max]
         out = F.scaled_dot_product_attention(
-            qg, k, v, attn_mask=g.mask, is_causal=g.causal, scale=scale, enable_gqa=rep > 1
+            g.queries(q), k, v, attn_mask=g.mask, is_causal=g.causal, scale=scale,
+            enable_gqa=rep > 1,
         )
-        out = out.transpose(1, 2).reshape(b * g.q_max, num_heads * head_dim)
-        if g.out_index is not None:
-            out = out.index_select(0, g.out_index)
-        parts.append(out)
+        parts.append(g.outputs(out))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

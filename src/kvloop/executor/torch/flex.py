@@ -154,27 +154,12 @@ def flex_paged_attention(
     parts: list[Tensor] = []
     masks = meta.flex_masks
     assert masks is not None and len(masks) == len(meta.groups)
-    for g, mask in zip(meta.groups, masks, strict=True):
-        parts.append(_group(q, k, v, g, mask, scale, attend, num_heads, head_dim))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _group(
-    q: Tensor, k: Tensor, v: Tensor, g: AttentionGroup, mask: BlockMask, scale: float,
-    attend: Callable[..., Tensor], num_heads: int, head_dim: int,
-) -> Tensor:
-    qg = q[g.row_start : g.row_end]
-    if g.q_index is not None:
-        qg = qg.index_select(0, g.q_index)
-    qg = qg.view(g.num_seqs, g.q_max, num_heads, head_dim).transpose(1, 2)
     # NOTE: a kernel tile may not straddle two KV blocks (pages): Triton's flex kernels
     # need the page size to be a multiple of their BLOCK_N (64 or 128 by default).
-    options = {"BLOCK_N": min(mask.BLOCK_SIZE[1], 64)}
-    out = attend(
-        qg, k, v, block_mask=mask, scale=scale, enable_gqa=num_heads != k.shape[1],
-        kernel_options=options,
-    )
-    out = out.transpose(1, 2).reshape(g.num_seqs * g.q_max, num_heads * head_dim)
-    if g.out_index is not None:
-        out = out.index_select(0, g.out_index)
-    return out
+    for g, mask in zip(meta.groups, masks, strict=True):
+        out = attend(
+            g.queries(q), k, v, block_mask=mask, scale=scale, enable_gqa=num_heads != num_kv,
+            kernel_options={"BLOCK_N": min(mask.BLOCK_SIZE[1], 64)},
+        )
+        parts.append(g.outputs(out))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
