@@ -96,7 +96,7 @@ def gemm_time(engine: LLMEngine, batch: int) -> float:
             t = time.perf_counter()
             for m in mats:
                 m(inputs[m.in_features])
-            torch.nn.functional.linear(x, model.lm_head)
+            model.lm_head(x)
             _sync(device)
             best = min(best, time.perf_counter() - t)
     return best
@@ -150,7 +150,7 @@ def main() -> int:
         p.error(str(exc))
     if args.attention != "auto":
         engine.executor.flex_attention = args.attention == "flex"
-    nbytes = engine.executor.model.num_parameter_bytes  # tied head counted once
+    nbytes = engine.executor.model.streamed_bytes
     device = engine.executor.device
     bandwidth = read_bandwidth(device)
     floor = nbytes / bandwidth
@@ -159,7 +159,7 @@ def main() -> int:
         dtype += f", {args.quantization} weights"
     path = "flex, in place" if engine.executor.flex_attention else "gather"
     print(f"# {device_name(device)}; {args.model} ({dtype}, attention: {path}): weights "
-          f"{nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
+          f"read per step {nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
           f"{floor * 1000:.1f} ms per step")
     decode_steps(engine, 1, seed=99)  # NOTE: warm-up (first-call allocations)
     print("| batch | floor ms | GEMMs ms | decode step ms (median) | step / floor | "

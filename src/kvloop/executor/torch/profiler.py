@@ -230,8 +230,7 @@ class Profiler:
     def _head(self, s: int) -> float:
         x = torch.randn(s, self.cfg.hidden_size, device=self.device, dtype=self.runner.dtype)
         norm, lm_head, eps = self.model.norm, self.model.lm_head, self.cfg.rms_norm_eps
-        return self.timer(lambda: torch.nn.functional.linear(rms_norm(x, norm, eps),
-                                                             lm_head).float())
+        return self.timer(lambda: lm_head(rms_norm(x, norm, eps)).float())
 
     def seq_work(self, s: int) -> float:
         x = torch.randn(s, self.cfg.hidden_size, device=self.device, dtype=self.runner.dtype)
@@ -240,7 +239,7 @@ class Profiler:
         sampler = self.runner.sampler
 
         def run() -> None:
-            logits = torch.nn.functional.linear(rms_norm(x, norm, eps), lm_head).float()
+            logits = lm_head(rms_norm(x, norm, eps)).float()
             sampler.sample(logits, states)
             for st in states:
                 st.output_token_ids.clear()

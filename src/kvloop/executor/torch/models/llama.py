@@ -9,7 +9,8 @@ RMSNorm in float32 then cast back before the weight, cos/sin computed in float32
 NOTE: q/k/v and gate/up projections are fused into one matrix each (one matmul instead of
 three or two), and every layer matrix is stored in the layout its device multiplies fastest
 (``executor.torch.linear``: dense ``[in, out]``, split for float32 CPU threads, or int4).
-The lm_head stays ``[vocab, hidden]`` (it is usually the tied embedding).
+The LM head is one more such matrix, never quantised (on CPU a packed copy of a tied
+embedding; elsewhere it shares the embedding's storage).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class LlamaForCausalLM:
         embed: Tensor,
         layers: list[DecoderLayer],
         norm: Tensor,
-        lm_head: Tensor,
+        lm_head: Linear,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -146,23 +147,27 @@ class LlamaForCausalLM:
             lm_head = embed
         else:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
-        return cls(config, embed, layers, get("model.norm.weight"), lm_head)
+        return cls(config, embed, layers, get("model.norm.weight"), make_linear(lm_head, None))
 
     @property
     def num_parameter_bytes(self) -> int:
-        """Bytes held by the weights (a tied head counted once)."""
-        seen: set[int] = set()
-        total = 0
-        tensors = [self.embed, self.norm, self.lm_head]
+        """Bytes held by the weights (storage a tied head shares with the embedding counted
+        once; a packed copy of it counted)."""
+        return _nbytes([self.embed, *self._streamed_tensors()])
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer's, the final norm and the LM
+        head (of the embedding only its rows, nothing)."""
+        return _nbytes(self._streamed_tensors())
+
+    def _streamed_tensors(self) -> list[Tensor]:
+        tensors = [self.norm, *self.lm_head.tensors]
         for layer in self.layers:
             tensors += [layer.input_norm, layer.post_norm]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 tensors += lin.tensors
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        return tensors
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin [T, 1, head_dim] in the activation dtype for ``positions``.
@@ -213,4 +218,17 @@ class LlamaForCausalLM:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
+
+
+def _nbytes(tensors: list[Tensor]) -> int:
+    """Bytes of ``tensors``, storage shared between them counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.is_mkldnn:  # a packed copy (linear.PackedLinear): shares nothing
+            total += t.numel() * t.element_size()
+        elif t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
