@@ -155,3 +155,36 @@ def test_step_tables_are_monotone_and_positive():
 
     assert _monotone([0.0, 2.0, 1.5, 3.0]) == (2.0, 2.0, 2.0, 3.0)
     assert _monotone([1.0, 1.0]) == (1.0, 1.0)
+
+
+def test_step_fit_recovers_overhead_decode_attention_and_chunk_cost():
+    """Whole runner steps made of known parts plus c0 + c1·S + c2·L·kv·Σctx + c3·chunks:
+    the fit finds each coefficient again (before c3 existed, c0 absorbed the chunks' cost
+    and every decode-only step came out too expensive)."""
+    from kvloop.executor.simulated.calibration import Measurements
+    from kvloop.executor.simulated.fitting import _fit_steps
+
+    cal = make_calibration()
+    cost = CostModel(MODEL, cal.hardware, tables=cal.tables)
+    layers = MODEL.num_layers
+    kv_layer = 2 * MODEL.kv_heads_per_rank() * MODEL.head_dim * MODEL.dtype_bytes
+    c0, c1, c2, c3 = 1.5e-3, 2e-4, 1 / 3e9, 8e-3
+    steps = []
+    for decodes in (1, 2, 4, 8, 16, 32, 64):
+        for per_request, chunks in ((40, []), (400, []), (150, [[256, 0]]), (150, [[64, 512]])):
+            ctx = decodes * per_request
+            seqs = decodes + len(chunks)
+            tokens = decodes + sum(c for c, _ in chunks)
+            known = cal.tables.token_time(tokens) + cal.tables.seq_time(seqs)
+            if chunks:
+                known += cost.breakdown(0, 0, [tuple(c) for c in chunks])["attention_prefill"]
+            s = known + c0 + c1 * seqs + c2 * layers * kv_layer * ctx + c3 * len(chunks)
+            steps.append({"decodes": decodes, "decode_context": ctx, "chunks": chunks, "s": s})
+    m = Measurements(device="cpu", device_name="Test CPU", dtype="float32", bandwidth=30e9,
+                     runner_steps=steps)
+    attention, bandwidth, overhead = _fit_steps(m, MODEL, cal.hardware, cal.tables)
+    chunk_kernel = cal.hardware.efficiency().attention.chunk_s
+    assert overhead.step_s == pytest.approx(c0, rel=1e-6)
+    assert overhead.seq_s == pytest.approx(c1, rel=1e-6)
+    assert bandwidth * attention.decode_fraction == pytest.approx(1 / c2, rel=1e-6)
+    assert attention.chunk_s - chunk_kernel == pytest.approx(c3 / layers, rel=1e-6)
