@@ -560,7 +560,8 @@ def schedule_floor(
 
 # -- profiles ----------------------------------------------------------------------------
 OP_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("matmul (mm / addmm / linear / bmm)", ("::mm", "::addmm", "::linear", "::bmm", "::matmul")),
+    ("matmul (mm / addmm / linear / bmm)", ("::mm", "::addmm", "::linear", "::bmm", "::matmul",
+                                            "::_linear_pointwise")),
     ("KV gather (index_select / index)", ("::index_select", "::index")),
     ("KV write (index_copy_ / index_put_)", ("::index_copy", "::index_put")),
     ("attention (SDPA kernels)", ("scaled_dot_product", "flash_attention", "softmax")),

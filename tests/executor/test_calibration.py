@@ -157,34 +157,71 @@ def test_step_tables_are_monotone_and_positive():
     assert _monotone([1.0, 1.0]) == (1.0, 1.0)
 
 
-def test_step_fit_recovers_overhead_decode_attention_and_chunk_cost():
-    """Whole runner steps made of known parts plus c0 + c1·S + c2·L·kv·Σctx + c3·chunks:
-    the fit finds each coefficient again (before c3 existed, c0 absorbed the chunks' cost
-    and every decode-only step came out too expensive)."""
-    from kvloop.executor.simulated.calibration import Measurements
-    from kvloop.executor.simulated.fitting import _fit_steps
+C0, C1, C2, C3 = 1.5e-3, 2e-4, 1 / 3e9, 8e-3
+"""The per-step, per-request, per-context-byte and per-chunk costs the step tests build in."""
 
+
+def _runner_steps(excess_largest: float = 0.0) -> list[dict]:
+    """Whole runner steps: the calibration's known parts plus C0 + C1·S + C2·L·kv·Σctx +
+    C3·chunks; the 64-decode steps ``excess_largest`` slower than that ("known" is kept)."""
     cal = make_calibration()
     cost = CostModel(MODEL, cal.hardware, tables=cal.tables)
-    layers = MODEL.num_layers
     kv_layer = 2 * MODEL.kv_heads_per_rank() * MODEL.head_dim * MODEL.dtype_bytes
-    c0, c1, c2, c3 = 1.5e-3, 2e-4, 1 / 3e9, 8e-3
     steps = []
     for decodes in (1, 2, 4, 8, 16, 32, 64):
         for per_request, chunks in ((40, []), (400, []), (150, [[256, 0]]), (150, [[64, 512]])):
             ctx = decodes * per_request
             seqs = decodes + len(chunks)
-            tokens = decodes + sum(c for c, _ in chunks)
-            known = cal.tables.token_time(tokens) + cal.tables.seq_time(seqs)
+            known = cal.tables.token_time(decodes + sum(c for c, _ in chunks))
+            known += cal.tables.seq_time(seqs)
             if chunks:
                 known += cost.breakdown(0, 0, [tuple(c) for c in chunks])["attention_prefill"]
-            s = known + c0 + c1 * seqs + c2 * layers * kv_layer * ctx + c3 * len(chunks)
-            steps.append({"decodes": decodes, "decode_context": ctx, "chunks": chunks, "s": s})
+            s = (known + C0 + C1 * seqs + C2 * MODEL.num_layers * kv_layer * ctx
+                 + C3 * len(chunks))
+            s *= 1 + (excess_largest if decodes == 64 else 0.0)
+            steps.append({"decodes": decodes, "decode_context": ctx, "chunks": chunks, "s": s,
+                          "known": known})
+    return steps
+
+
+def _fit(steps: list[dict]):
+    from kvloop.executor.simulated.calibration import Measurements
+    from kvloop.executor.simulated.fitting import _fit_steps
+
+    cal = make_calibration()
     m = Measurements(device="cpu", device_name="Test CPU", dtype="float32", bandwidth=30e9,
-                     runner_steps=steps)
-    attention, bandwidth, overhead = _fit_steps(m, MODEL, cal.hardware, cal.tables)
-    chunk_kernel = cal.hardware.efficiency().attention.chunk_s
-    assert overhead.step_s == pytest.approx(c0, rel=1e-6)
-    assert overhead.seq_s == pytest.approx(c1, rel=1e-6)
-    assert bandwidth * attention.decode_fraction == pytest.approx(1 / c2, rel=1e-6)
-    assert attention.chunk_s - chunk_kernel == pytest.approx(c3 / layers, rel=1e-6)
+                     runner_steps=[{k: v for k, v in st.items() if k != "known"}
+                                   for st in steps])
+    return _fit_steps(m, MODEL, cal.hardware, cal.tables)
+
+
+def test_step_fit_recovers_overhead_decode_attention_and_chunk_cost():
+    """The fit finds each built-in coefficient again (before the per-chunk term existed,
+    the per-step cost absorbed the chunks' and every decode-only step came out too
+    expensive)."""
+    attention, bandwidth, overhead = _fit(_runner_steps())
+    chunk_kernel = make_calibration().hardware.efficiency().attention.chunk_s
+    assert overhead.step_s == pytest.approx(C0, rel=1e-6)
+    assert overhead.seq_s == pytest.approx(C1, rel=1e-6)
+    assert bandwidth * attention.decode_fraction == pytest.approx(1 / C2, rel=1e-6)
+    assert attention.chunk_s - chunk_kernel == pytest.approx(C3 / MODEL.num_layers, rel=1e-6)
+
+
+def test_step_fit_weighs_steps_by_relative_error():
+    """Steps the model cannot fit exactly (the largest 30% slower than built) must not
+    decide the fit for small ones: fitted on relative errors, steps of up to 8 decodes stay
+    within 8% (absolute least squares: 15%)."""
+    steps = _runner_steps(excess_largest=0.3)
+    attention, bandwidth, overhead = _fit(steps)
+    kv_layer = 2 * MODEL.kv_heads_per_rank() * MODEL.head_dim * MODEL.dtype_bytes
+    chunk_extra = (attention.chunk_s
+                   - make_calibration().hardware.efficiency().attention.chunk_s)
+    for st in steps:
+        if st["decodes"] > 8:
+            continue
+        seqs = st["decodes"] + len(st["chunks"])
+        predicted = (st["known"] + overhead.step_s + overhead.seq_s * seqs
+                     + MODEL.num_layers * kv_layer * st["decode_context"]
+                     / (bandwidth * attention.decode_fraction)
+                     + chunk_extra * MODEL.num_layers * len(st["chunks"]))
+        assert predicted == pytest.approx(st["s"], rel=0.08)

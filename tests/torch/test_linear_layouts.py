@@ -32,9 +32,16 @@ def q4_1_grid(out: int, inp: int, seed: int = 0) -> torch.Tensor:
     return (low + codes * step).view(out, inp)
 
 
+BF16_PACKS = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+"""oneDNN packs bfloat16 only with AVX-512 or AVX-NE-CONVERT."""
+
+
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not BF16_PACKS, reason="no bf16")),
+])
 def test_packed_layout_equals_dense(rows: int, with_bias: bool, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).to(dtype)
@@ -57,9 +64,23 @@ def test_packed_layout_equals_dense(rows: int, with_bias: bool, dtype: torch.dty
 def test_make_linear_picks_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(64, 32)
     assert isinstance(make_linear(w, None), PackedLinear)
-    assert isinstance(make_linear(w.bfloat16(), None), PackedLinear)
+    bf16 = PackedLinear if BF16_PACKS else DenseLinear
+    assert isinstance(make_linear(w.bfloat16(), None), bf16)
     assert isinstance(make_linear(w.half(), None), DenseLinear)
     assert isinstance(make_linear(w, None, quantization="int4"), Int4Linear)
+    # A CPU whose oneDNN does not run bfloat16 (AVX2): dense, and still float32 packed.
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert isinstance(make_linear(w.bfloat16(), None), DenseLinear)
+    assert isinstance(make_linear(w, None), PackedLinear)
+    # A oneDNN build that refuses to pack: dense, computing the same product.
+    def refuse(*args: object) -> None:
+        raise RuntimeError("mkldnn_reorder_linear_weight: not supported here")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    lin = make_linear(w, None)
+    assert isinstance(lin, DenseLinear)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(lin(x), x @ w.t())
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert isinstance(make_linear(w, None), DenseLinear)
 

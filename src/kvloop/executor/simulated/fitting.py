@@ -221,6 +221,8 @@ def _fit_steps(
         parts = cost.breakdown(0, 0, chunks) if chunks else {"attention_prefill": 0.0}
         known = (tables.token_time(tokens) + tables.seq_time(seqs)
                  + parts["attention_prefill"])
+        # NOTE: rows weighted by 1 / step time here; fit_nonnegative(relative=True) would
+        # weight by 1 / the residual, which is not the step's relative error.
         w = 1.0 / step["s"]
         rows.append((w, w * seqs, w * layers * kv_layer * step["decode_context"],
                      w * len(chunks)))

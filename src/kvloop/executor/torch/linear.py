@@ -10,10 +10,11 @@ bandwidth. Three layouts:
 - :class:`PackedLinear` (float32 and bfloat16 on CPU): ``W`` reordered once into oneDNN's
   blocked layout for this CPU, then multiplied by oneDNN without the per-call reorder the
   stock path pays (torch's own CPU compiler packs weights the same way when it freezes a
-  model). The same result to the bit as ``F.linear`` on the 2-core AVX-512 VM this was
-  measured on, and faster at every size: bfloat16, fused gate/up of SmolLM2-135M, M=1
-  111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row LM head M=1 4.7 -> 2.1 ms, M=32 11.0 ->
-  6.2 ms; float32 from 1.0x (M=1) to 2x (M=8-32) the output-split ``bmm`` layout it replaces.
+  model). On the 2-core AVX-512 VM this was measured on it gave ``F.linear``'s result to the
+  bit (M = 1 ... 512) and was faster at every size: bfloat16, fused gate/up of
+  SmolLM2-135M, M=1 111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row LM head M=1 4.7 -> 2.1
+  ms, M=32 11.0 -> 6.2 ms; float32 gate/up M=1 67 -> 68 µs, M=8 283 -> 155 µs, M=32 784 ->
+  553 µs against the output-split ``bmm`` layout it replaced (``docs/benchmarks.md``).
 - :class:`Int4Linear` (``quantization="int4"``, CPU, bfloat16 activations): weight-only
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
   min/max, as llama.cpp's Q4_1), through torch's ``_weight_int4pack_mm_for_cpu``. A 4-bit
@@ -83,9 +84,14 @@ class PackedLinear:
 
 
 def packable(weight: Tensor) -> bool:
-    """Whether :class:`PackedLinear` serves ``weight`` on this machine."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """Whether :class:`PackedLinear` serves ``weight`` on this machine: a CPU tensor in
+    float32, or in bfloat16 where oneDNN runs it (AVX-512 or AVX-NE-CONVERT; it refuses
+    bfloat16 elsewhere, and ``--quantization int4`` picks bfloat16 on any CPU)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class Int4Linear:
@@ -159,5 +165,8 @@ def make_linear(weight: Tensor, bias: Tensor | None, *, quantization: str | None
     if quantization == "int4":
         return Int4Linear(weight, bias, dtype or torch.bfloat16)
     if packable(weight):
-        return PackedLinear(weight, bias)
+        try:
+            return PackedLinear(weight, bias)
+        except RuntimeError:  # NOTE: a oneDNN build that cannot pack it still multiplies it
+            pass
     return DenseLinear(weight, bias)

@@ -8,7 +8,7 @@ RMSNorm in float32 then cast back before the weight, cos/sin computed in float32
 
 NOTE: q/k/v and gate/up projections are fused into one matrix each (one matmul instead of
 three or two), and every layer matrix is stored in the layout its device multiplies fastest
-(``executor.torch.linear``: dense ``[in, out]``, split for float32 CPU threads, or int4).
+(``executor.torch.linear``: oneDNN-packed on CPU, int4, or dense ``[out, in]``).
 The LM head is one more such matrix, never quantised (on CPU a packed copy of a tied
 embedding; elsewhere it shares the embedding's storage).
 """
@@ -158,7 +158,7 @@ class LlamaForCausalLM:
     @property
     def streamed_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer's, the final norm and the LM
-        head (of the embedding only its rows, nothing)."""
+        head; not the embedding, of which a step reads only a few rows."""
         return _nbytes(self._streamed_tensors())
 
     def _streamed_tensors(self) -> list[Tensor]:
