@@ -1,5 +1,4 @@
-"""Decode steps against the memory floor: how far a decode step of the default model is from
-streaming its weights once.
+"""Decode steps of the default model against their floor: streaming every weight once.
 
 A decode step must read every weight once, so its time cannot be below
 ``weight bytes / read bandwidth``. The bandwidth is measured here (the best of several

@@ -112,7 +112,8 @@ def test_second_signal_aborts_and_exits_130(tiny_model) -> None:
     found = re.search(r"second signal: aborting (\d+) requests", log)
     assert found, log[-500:]
     n = int(found.group(1))
-    stopped = f"kvloop serve: stopped ({n} requests aborted)" if n else "kvloop serve: stopped"
+    noun = "request" if n == 1 else "requests"
+    stopped = f"kvloop serve: stopped ({n} {noun} aborted)" if n else "kvloop serve: stopped"
     assert log.rstrip().endswith(stopped), log[-500:]
     assert events and events[-1] == "[DONE]"  # the stream still ends cleanly
 

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure this device and write a simulator calibration file",
         description="Time kvloop's torch executor piece by piece (GEMMs, attention, LM head, "
         "runner and engine overhead) on this device and fit the simulator's cost model to "
-        "it. For the default model on 2 CPU cores, --quick takes about 50 s; the full grid "
+        "it. For the default model on 2 CPU cores, --quick takes 20-50 s; the full grid "
         "minutes (13 min measured on a busy 2-core machine). A busy machine "
         "takes longer and gives a noisy calibration, which kvloop profile warns about. "
         "Without a terminal it prints one line per measured item on stderr.",

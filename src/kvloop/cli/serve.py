@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         http.join()
         if not server.started:
             return 1
-        aborted = f" ({server.aborted} requests aborted)" if server.aborted else ""
+        n = server.aborted
+        aborted = f" ({n} request{'s' if n != 1 else ''} aborted)" if n else ""
         print(f"kvloop serve: stopped{aborted}", file=sys.stderr, flush=True)
         if server.forced:
             return 130

@@ -150,8 +150,8 @@ def run_replicas(args: argparse.Namespace, engine_args: Any, server_config: Any)
         # NOTE: as a single `kvloop serve`: 503 to new requests, running ones finish.
         left = serve.get_app_handle(APP_NAME).drain.remote(args.shutdown_timeout).result(
             timeout_s=args.shutdown_timeout + 30)
-        print(f"kvloop serve: stopped{f' ({left} requests aborted)' if left else ''}",
-              file=sys.stderr, flush=True)
+        aborted = f" ({left} request{'s' if left != 1 else ''} aborted)" if left else ""
+        print(f"kvloop serve: stopped{aborted}", file=sys.stderr, flush=True)
     finally:
         # NOTE: a failed cleanup must not hide why the server stopped (a refused flag).
         with contextlib.suppress(Exception):
