@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -289,14 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency_levels = [int(c) for c in args.concurrencies.split(",") if c.strip()]
     scenarios = {"rate": f"{args.rate:g} req/s"} if args.rate > 0 else {}
     scenarios.update({f"conc {c}": f"concurrency {c}" for c in args.concurrency_levels})
-    ggufs: dict[str, str] = {}
+    launchers = dict(LAUNCHERS)
     for item in args.llama_gguf:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             p.error(f"--llama-gguf takes NAME=PATH; got {item!r}")
-        ggufs[f"llama-server-{name}"] = path
+        launchers[f"llama-server-{name}"] = functools.partial(llama_server_cmd, gguf=path)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES) - set(ggufs)
+    unknown = set(engines) - set(launchers)
     if unknown:
         p.error(f"unknown engines: {sorted(unknown)}")
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -306,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         port = _free_port()
         try:
-            cmd = (llama_server_cmd(args, port, ggufs[engine]) if engine in ggufs
-                   else LAUNCHERS[engine](args, port))
+            cmd = launchers[engine](args, port)
         except (LookupError, ValueError) as exc:
             skipped[engine] = str(exc)
             print(f"[{engine}] skipped: {exc}", file=sys.stderr)

@@ -28,7 +28,7 @@ from kvloop.engine.llm_engine import LLMEngine
 from kvloop.executor.torch.profiler import device_name
 from kvloop.sampling_params import SamplingParams
 
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::linear",
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm",
             "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                  "aten::index_copy_"}
