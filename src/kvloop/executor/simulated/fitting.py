@@ -235,8 +235,14 @@ def _fit_steps(
         step_s, seq_s = float(c0), float(c1)
         attention = replace(att, chunk_s=att.chunk_s + float(c3) / layers)
         if c2 > 0:
-            bandwidth = max(bandwidth, 1.0 / c2)
-            attention = replace(attention, decode_fraction=float(1.0 / (c2 * bandwidth)),
+            # NOTE: decode attention cannot read faster than the machine: a fit that says
+            # it does means the bandwidth was measured low (a busy machine), and it is
+            # raised to match at fraction 1 exactly (1 / (c2 · (1 / c2)) can round to
+            # 1.0000000000000002, which the curve rightly refuses).
+            fraction = min(1.0, 1.0 / (c2 * bandwidth))
+            if 1.0 / c2 > bandwidth:
+                bandwidth, fraction = 1.0 / c2, 1.0
+            attention = replace(attention, decode_fraction=float(fraction),
                                 decode_half_context=0.0, launch_s=0.0)
     loop = [0.0, 0.0]
     if m.engine_loop:
