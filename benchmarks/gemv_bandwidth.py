@@ -1,0 +1,115 @@
+"""How much of the machine's read bandwidth torch's CPU kernels reach for one decode row.
+
+A one-stream decode step multiplies one activation row by every layer matrix, so each
+product only streams its weights. This script builds the layer matrices of a model (its
+config's shapes, random weights: the timing does not depend on the values), in each
+layout kvloop can use on CPU, and times one pass over all of them at M = 1 with the
+weights cold (every layer's own matrices, as in a real step, so nothing stays in cache),
+against the read bandwidth of a plain sum over 1 GiB with the same threads:
+
+- ``bf16 packed``: ``PackedLinear`` (oneDNN, weights reordered once; kvloop's default);
+- ``int8 per-channel``: ``aten._weight_int8pack_mm`` (weight-only int8, one scale per row);
+- ``int4``: ``Int4Linear`` (``--quantization int4``).
+
+Printed per thread count: milliseconds per pass, the GB/s of weight bytes that implies, and
+that as a fraction of the sum's GB/s.
+
+    python benchmarks/gemv_bandwidth.py [--model default] [--threads 1,2] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvloop.engine.model_source import resolve_model
+from kvloop.executor.torch.linear import Int4Linear, PackedLinear
+from kvloop.executor.torch.models import ModelConfig
+from kvloop.executor.torch.profiler import device_name
+
+
+def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused QKV, O, fused gate/up and down matrices."""
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return [(qkv, cfg.hidden_size), (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+            (2 * cfg.intermediate_size, cfg.hidden_size),
+            (cfg.hidden_size, cfg.intermediate_size)]
+
+
+def read_gbps(repeats: int = 5) -> float:
+    """GB/s of the fastest full read (a sum) of 1 GiB."""
+    x = torch.ones(1 << 28)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return (1 << 30) / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def pass_ms(calls: list[Callable[[], object]], repeats: int) -> float:
+    """Median milliseconds of one pass over ``calls``."""
+
+    def one() -> None:
+        for c in calls:
+            c()
+
+    for _ in range(3):
+        one()
+    return statistics.median(_timed(one) for _ in range(repeats)) * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args()
+    cfg = ModelConfig.from_pretrained(resolve_model(args.model))
+    shapes = layer_shapes(cfg)
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+               for _ in range(cfg.num_layers)]
+    rows = {k: torch.randn(1, k, dtype=torch.bfloat16) for _, k in shapes}
+    layouts: dict[str, tuple[list[Callable[[], object]], int]] = {}
+    with torch.inference_mode():
+        packed = [PackedLinear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
+        layouts["bf16 packed"] = ([lambda m=m: m(rows[m.in_features]) for m in packed], 2)
+        int8 = []
+        for ws in weights:
+            for w in ws:
+                scale = w.abs().amax(1) / 127
+                q = (w / scale[:, None]).round().to(torch.int8)
+                s = scale.to(torch.bfloat16)
+                int8.append(lambda q=q, s=s:
+                            torch.ops.aten._weight_int8pack_mm(rows[q.shape[1]], q, s))
+        layouts["int8 per-channel"] = (int8, 1)
+        int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
+        layouts["int4"] = ([lambda m=m: m(rows[m.in_features]) for m in int4], 0)
+    elements = sum(n * k for n, k in shapes) * cfg.num_layers
+    print(f"# {device_name(torch.device('cpu'))}; {args.model}: {cfg.num_layers} layers, "
+          f"{elements / 1e6:.0f} M layer weights, M = 1, weights cold")
+    print("| threads | sum GB/s | layout | ms per pass | weight GB/s | of the sum |")
+    print("|---|---|---|---|---|---|")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        bandwidth = read_gbps()
+        with torch.inference_mode():
+            for name, (calls, nbytes) in layouts.items():
+                ms = pass_ms(calls, args.repeats)
+                # NOTE: int4 holds half a byte per weight (plus its scales, left out).
+                gbps = elements * (nbytes or 0.5) / ms / 1e6
+                print(f"| {threads} | {bandwidth:.1f} | {name} | {ms:.2f} | {gbps:.1f} | "
+                      f"{gbps / bandwidth:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
