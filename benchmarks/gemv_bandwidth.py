@@ -9,7 +9,8 @@ against the read bandwidth of a plain sum over 1 GiB with the same threads:
 
 - ``bf16 packed``: ``PackedLinear`` (oneDNN, weights reordered once; kvloop's default);
 - ``int8 per-channel``: ``aten._weight_int8pack_mm`` (weight-only int8, one scale per row);
-- ``int4``: ``Int4Linear`` (``--quantization int4``).
+- ``int4``: ``Int4Linear`` (``--quantization int4``; half a byte per weight plus a bfloat16
+  scale and zero per 32: 0.625 bytes per weight).
 
 Printed per thread count: milliseconds per pass, the GB/s of weight bytes that implies, and
 that as a fraction of the sum's GB/s.
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from kvloop.engine.model_source import resolve_model
-from kvloop.executor.torch.linear import Int4Linear, PackedLinear
+from kvloop.executor.torch.linear import INT4_GROUP, Int4Linear, PackedLinear
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.profiler import device_name
 
@@ -78,10 +79,11 @@ def main() -> int:
     weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
                for _ in range(cfg.num_layers)]
     rows = {k: torch.randn(1, k, dtype=torch.bfloat16) for _, k in shapes}
-    layouts: dict[str, tuple[list[Callable[[], object]], int]] = {}
+    layouts: dict[str, tuple[list[Callable[[], object]], float]] = {}
+    """Name -> (one call per matrix, bytes read per weight)."""
     with torch.inference_mode():
         packed = [PackedLinear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
-        layouts["bf16 packed"] = ([lambda m=m: m(rows[m.in_features]) for m in packed], 2)
+        layouts["bf16 packed"] = ([lambda m=m: m(rows[m.in_features]) for m in packed], 2.0)
         int8 = []
         for ws in weights:
             for w in ws:
@@ -90,11 +92,13 @@ def main() -> int:
                 s = scale.to(torch.bfloat16)
                 int8.append(lambda q=q, s=s:
                             torch.ops.aten._weight_int8pack_mm(rows[q.shape[1]], q, s))
-        layouts["int8 per-channel"] = (int8, 1)
+        layouts["int8 per-channel"] = (int8, 1.0)
         int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
-        layouts["int4"] = ([lambda m=m: m(rows[m.in_features]) for m in int4], 0)
+        layouts["int4"] = ([lambda m=m: m(rows[m.in_features]) for m in int4],
+                           0.5 + 4 / INT4_GROUP)
     elements = sum(n * k for n, k in shapes) * cfg.num_layers
-    print(f"# {device_name(torch.device('cpu'))}; {args.model}: {cfg.num_layers} layers, "
+    cpu = device_name(torch.device("cpu")).rsplit(", ", 1)[0]  # threads: per row below
+    print(f"# {cpu}; {args.model}: {cfg.num_layers} layers, "
           f"{elements / 1e6:.0f} M layer weights, M = 1, weights cold")
     print("| threads | sum GB/s | layout | ms per pass | weight GB/s | of the sum |")
     print("|---|---|---|---|---|---|")
@@ -104,8 +108,7 @@ def main() -> int:
         with torch.inference_mode():
             for name, (calls, nbytes) in layouts.items():
                 ms = pass_ms(calls, args.repeats)
-                # NOTE: int4 holds half a byte per weight (plus its scales, left out).
-                gbps = elements * (nbytes or 0.5) / ms / 1e6
+                gbps = elements * nbytes / ms / 1e6
                 print(f"| {threads} | {bandwidth:.1f} | {name} | {ms:.2f} | {gbps:.1f} | "
                       f"{gbps / bandwidth:.0%} |")
     return 0

@@ -116,7 +116,7 @@ def _blocking(gate: threading.Event, entered: threading.Event):
     def wrap(execute):
         def blocked(out):
             entered.set()
-            gate.wait(10)
+            gate.wait(60)
             return execute(out)
 
         return blocked
@@ -140,6 +140,7 @@ def test_queue_full_gets_429(server: LiveServer) -> None:
             deadline = time.monotonic() + 20
             while server.async_engine._pending_adds < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
+            assert server.async_engine._pending_adds == 2, "queued requests never arrived"
             refused = await http.post("/completions", json=body)
             gate.set()
             return [refused, await first, *await asyncio.gather(*queued)]

@@ -152,6 +152,10 @@ def test_kv_aware_spreads_new_prefixes_and_follows_a_cached_one(cluster: Cluster
     shared = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
     hits_before = cluster.per_replica("kvloop:prefix_cache_hits_total")
     holder = _served_by(cluster, shared + " one")
+    # NOTE: past one stats period, so the holder's load reads 0 even if Ray has not yet
+    # reported the first request complete (a load of 1 would tie its score with the idle
+    # replica's, and ties go to the less loaded).
+    time.sleep(1.5)
     assert _served_by(cluster, shared + " two") == holder
     hits = cluster.per_replica("kvloop:prefix_cache_hits_total")
     gained = {r: hits[r] - hits_before.get(r, 0.0) for r in hits}

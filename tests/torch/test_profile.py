@@ -53,17 +53,18 @@ def test_profile_writes_a_calibration_the_simulator_uses(llama_model, tmp_path, 
     assert raw["engine_loop"]
     # The profiled model's own steps cost what was measured, within the fit's noise: --quick
     # times each item a few times only, and a shared CI machine can stall any of them, so
-    # this checks the scale (a unit is off by 1000x), not accuracy (the step fit's own tests
-    # in tests/executor/test_calibration.py do). NOTE: under one busy loop on 2 cores the
-    # tables of this 3-layer model were timed up to 8x slower than its whole steps, and
-    # the fit only adds non-negative terms to them.
+    # this checks the scale (a unit is off by 1000x, a dropped term makes it too cheap), not
+    # accuracy (the step fit's own tests in tests/executor/test_calibration.py do). NOTE:
+    # the upper bound is loose: under one busy loop on 2 cores the tables of this 3-layer
+    # model were timed up to 8x slower than its whole steps, and the fit only adds
+    # non-negative terms to them; the lower bound stays tight.
     cm = cal.cost_model()
     steps = raw["runner_steps"]
     predicted = [cm.step_time(s["decodes"], s["decode_context"], [tuple(c) for c in s["chunks"]])
                  for s in steps]
     ratios = sorted(p / s["s"] for p, s in zip(predicted, steps, strict=True))
-    assert 0.1 < ratios[len(ratios) // 2] < 20, ratios
-    assert 0.1 < sum(predicted) / sum(s["s"] for s in steps) < 20, ratios
+    assert 0.4 < ratios[len(ratios) // 2] < 20, ratios
+    assert 0.3 < sum(predicted) / sum(s["s"] for s in steps) < 20, ratios
 
     metrics = tmp_path / "m.json"
     rc = main(["simulate", "--calibration", str(out), "--num-requests", "20",

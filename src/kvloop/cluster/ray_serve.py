@@ -214,9 +214,6 @@ class KvloopRequestRouter(RequestRouter):
         """Requests routed to each replica (compared with its ``num_received``)."""
         self._ongoing: dict[str, int] = {}
         """Requests routed to each replica and not completed."""
-        self._tracked: dict[tuple[str, str], int] = {}
-        """(replica, Ray's internal request id) of the routed requests in ``_ongoing``:
-        other calls (``metrics_text``) complete too, and must not lower the count."""
         _routers_in_process()[self._deployment_id.name] = self
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
@@ -255,18 +252,18 @@ class KvloopRequestRouter(RequestRouter):
         rid = replica_id.unique_id
         self._routed[rid] = self._routed.get(rid, 0) + 1
         self._ongoing[rid] = self._ongoing.get(rid, 0) + 1
-        key = (rid, pending_request.metadata.internal_request_id)
-        self._tracked[key] = self._tracked.get(key, 0) + 1
         self.policy.on_routed(route, rid)
+        # NOTE: a callback of our own on this very result, not on_request_completed: Ray
+        # calls that for every call (/metrics ones too, which would lower the count), and
+        # can call it before this method when a replica answers at once. Ray fires it once,
+        # from another thread, also when the result is already done.
+        loop = self._event_loop
+        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._completed, rid))
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        key = (replica_id.unique_id, internal_request_id)
-        left = self._tracked.pop(key, 0) - 1
-        if left < 0:
-            return  # NOTE: not a routed request (a /metrics call): no count to lower
-        if left:
-            self._tracked[key] = left
-        self._ongoing[key[0]] -= 1
+    def _completed(self, rid: str) -> None:
+        """A request routed to ``rid`` completed (a replica gone meanwhile: nothing left)."""
+        if self._ongoing.get(rid, 0) > 0:
+            self._ongoing[rid] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -274,7 +271,6 @@ class KvloopRequestRouter(RequestRouter):
         self.policy.on_replica_removed(rid)
         self._routed.pop(rid, None)
         self._ongoing.pop(rid, None)
-        self._tracked = {k: n for k, n in self._tracked.items() if k[0] != rid}
 
     @property
     def replica_ids(self) -> list[str]:
