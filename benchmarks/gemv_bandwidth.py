@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from decode_floor import read_bandwidth
 
 from kvloop.engine.model_source import resolve_model
 from kvloop.executor.torch.linear import INT4_GROUP, Int4Linear, PackedLinear
@@ -39,14 +40,6 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(qkv, cfg.hidden_size), (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
             (2 * cfg.intermediate_size, cfg.hidden_size),
             (cfg.hidden_size, cfg.intermediate_size)]
-
-
-def read_gbps(repeats: int = 5) -> float:
-    """GB/s of the fastest full read (a sum) of 1 GiB."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
-    return (1 << 30) / best / 1e9
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -104,7 +97,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        bandwidth = read_gbps()
+        bandwidth = read_bandwidth(torch.device("cpu")) / 1e9
         with torch.inference_mode():
             for name, (calls, nbytes) in layouts.items():
                 ms = pass_ms(calls, args.repeats)

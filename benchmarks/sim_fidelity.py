@@ -261,7 +261,7 @@ def main() -> None:
             scale, unit = (1e3, "ms") if name == "tpot" else (1, "s")
             print(f"{f'{name.upper()} {q} ({unit})':<14}{a * scale:11.3f}{b * scale:11.3f}"
                   f"{err:+8.1f}%")
-    worst = max(abs(r["error_pct"]) for r in rows if r["quantile"] in ("mean", "p50"))
+    worst = worst_error(measured, simulated)
     print(f"\nworst mean/median error {worst:.1f}% (target 10%, goal 5%)")
     if alone is not None:
         print(f"(calibrated on the mean of the profiles before and after serving; with the "
