@@ -13,7 +13,9 @@
    step-by-step error: each recorded step's batch costed by the same cost model against
    the measured time from its start to the next step's start (steps followed by an idle
    wait left out).
-5. Print how fast the machine was during the run relative to the profile: a reference
+5. Simulate the same requests once more with the served run's own step times as the cost
+   model (``kvloop.sim.measured``): what is left is the simulation loop's own error.
+6. Print how fast the machine was during the run relative to the profile: a reference
    forward pass (64 tokens, attention left out) timed on the engine's runner before and
    after serving, against the calibration's table. On a shared VM this drifts by several
    percent within minutes, and every step of the run drifts with it.
@@ -51,6 +53,7 @@ from kvloop.executor.simulated.calibration import Calibration, Measurements
 from kvloop.executor.simulated.fitting import fit_calibration
 from kvloop.sampling_params import SamplingParams
 from kvloop.sim.driver import simulate
+from kvloop.sim.measured import MeasuredSteps
 from kvloop.sim.metrics import percentile, summarize_requests
 from kvloop.sim.traces import WorkloadRequest, trace_lengths
 from kvloop.viz.summary import reconstruct_requests
@@ -243,6 +246,8 @@ def main() -> None:
     sim = simulate(workload, sched_cfg, cache_cfg, cost)
     simulated = sim.metrics
     errors = step_errors(records, cost, idle_after)
+    replay = MeasuredSteps(records, idle_after=idle_after, fallback=cost)
+    loop_alone = worst_error(measured, simulate(workload, sched_cfg, cache_cfg, replay).metrics)
 
     print(f"\nkvloop simulate vs kvloop's torch engine: {cal.model.name} ({cal.dtype}) on "
           f"{cal.device_name}")
@@ -266,6 +271,9 @@ def main() -> None:
     if alone is not None:
         print(f"(calibrated on the mean of the profiles before and after serving; with the "
               f"profile before serving alone: {alone:.1f}%)")
+    print(f"with the served run's own step times instead of the cost model (the loop's error "
+          f"alone): {loop_alone:.1f}% ({replay.hits} batches as served, {replay.misses} "
+          "costed by the model)")
     ref = cal.tables.token_time(REFERENCE_TOKENS)
     print(f"\nmachine speed: reference forward pass ({REFERENCE_TOKENS} tokens) "
           f"{ref * 1e3:.1f} ms in the profile, {before * 1e3:.1f} ms before serving "
@@ -293,6 +301,7 @@ def main() -> None:
             "scale": args.scale, "calibration": str(cal_path),
             "reference_step_s": {"profile": ref, "before": before, "after": after},
             "worst_error_first_profile_alone_pct": alone,
+            "worst_error_measured_step_times_pct": loop_alone,
         }, indent=1))
 
 
