@@ -157,27 +157,31 @@ def test_step_tables_are_monotone_and_positive():
     assert _monotone([1.0, 1.0]) == (1.0, 1.0)
 
 
-C0, C1, C2, C3 = 1.5e-3, 2e-4, 1 / 3e9, 8e-3
-"""The per-step, per-request, per-context-byte and per-chunk costs the step tests build in."""
+C0, C1, C2, C3, C4 = 1.5e-3, 2e-4, 1 / 3e9, 8e-3, 5e-5
+"""The per-step, per-request, per-context-byte, per-chunk and per-token costs the step tests
+build in."""
 
 
 def _runner_steps(excess_largest: float = 0.0, c2: float = C2) -> list[dict]:
     """Whole runner steps: the calibration's known parts plus C0 + C1·S + c2·L·kv·Σctx +
-    C3·chunks; the 64-decode steps ``excess_largest`` slower than that ("known" is kept)."""
+    C3·chunks + C4·T; the 64-decode steps ``excess_largest`` slower than that ("known" is
+    kept)."""
     cal = make_calibration()
     cost = CostModel(MODEL, cal.hardware, tables=cal.tables)
     kv_layer = 2 * MODEL.kv_heads_per_rank() * MODEL.head_dim * MODEL.dtype_bytes
     steps = []
     for decodes in (1, 2, 4, 8, 16, 32, 64):
-        for per_request, chunks in ((40, []), (400, []), (150, [[256, 0]]), (150, [[64, 512]])):
+        for per_request, chunks in ((40, []), (400, []), (150, [[256, 0]]), (150, [[64, 512]]),
+                                    (150, [[16, 0]])):
             ctx = decodes * per_request
             seqs = decodes + len(chunks)
-            known = cal.tables.token_time(decodes + sum(c for c, _ in chunks))
+            tokens = decodes + sum(c for c, _ in chunks)
+            known = cal.tables.token_time(tokens)
             known += cal.tables.seq_time(seqs)
             if chunks:
                 known += cost.breakdown(0, 0, [tuple(c) for c in chunks])["attention_prefill"]
             s = (known + C0 + C1 * seqs + c2 * MODEL.num_layers * kv_layer * ctx
-                 + C3 * len(chunks))
+                 + C3 * len(chunks) + C4 * tokens)
             s *= 1 + (excess_largest if decodes == 64 else 0.0)
             steps.append({"decodes": decodes, "decode_context": ctx, "chunks": chunks, "s": s,
                           "known": known})
@@ -195,14 +199,16 @@ def _fit(steps: list[dict]):
     return _fit_steps(m, MODEL, cal.hardware, cal.tables)
 
 
-def test_step_fit_recovers_overhead_decode_attention_and_chunk_cost():
+def test_step_fit_recovers_overhead_decode_attention_chunk_and_token_costs():
     """The fit finds each built-in coefficient again (before the per-chunk term existed,
     the per-step cost absorbed the chunks' and every decode-only step came out too
-    expensive)."""
+    expensive; before the per-token term, the per-chunk cost absorbed what chunks cost by
+    their size, and small chunks came out too expensive)."""
     attention, bandwidth, overhead = _fit(_runner_steps())
     chunk_kernel = make_calibration().hardware.efficiency().attention.chunk_s
     assert overhead.step_s == pytest.approx(C0, rel=1e-6)
     assert overhead.seq_s == pytest.approx(C1, rel=1e-6)
+    assert overhead.token_s == pytest.approx(C4, rel=1e-6)
     assert bandwidth * attention.decode_fraction == pytest.approx(1 / C2, rel=1e-6)
     assert attention.chunk_s - chunk_kernel == pytest.approx(C3 / MODEL.num_layers, rel=1e-6)
 
@@ -232,7 +238,8 @@ def test_step_fit_weighs_steps_by_relative_error():
         if st["decodes"] > 8:
             continue
         seqs = st["decodes"] + len(st["chunks"])
-        predicted = (st["known"] + overhead.step_s + overhead.seq_s * seqs
+        tokens = st["decodes"] + sum(c for c, _ in st["chunks"])
+        predicted = (st["known"] + overhead.time(seqs, tokens)
                      + MODEL.num_layers * kv_layer * st["decode_context"]
                      / (bandwidth * attention.decode_fraction)
                      + chunk_extra * MODEL.num_layers * len(st["chunks"]))

@@ -163,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
           f"{a.prefill_half_context:.0f} tokens), decode {a.decode_fraction:.2f} of bandwidth "
           f"(+{a.decode_half_context:.0f} tokens per request), "
           f"{a.launch_s * 1e6:.0f} µs/layer/step, {a.chunk_s * 1e6:.0f} µs/layer/chunk")
-    o = cal.overhead
-    print(f"overhead    {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.1f} µs/request "
+    print(f"overhead    {cal.overhead.describe()} "
           "(runner and engine time beyond the measured kernels)")
     print(f"use it:     kvloop simulate --calibration {out} ...")
     return 0

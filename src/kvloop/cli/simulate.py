@@ -257,8 +257,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvloop simulate: {fleet}{model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
           f"{len(workload)} requests from {args.trace or 'a synthetic workload'}"
           f"{f', routed {args.router}' if args.replicas > 1 else ''}")
-    o = cost.overhead
-    print(f"cost model: {basis}: {o.step_s * 1e3:.2f} ms/step + {o.seq_s * 1e6:.0f} µs/request")
+    print(f"cost model: {basis}: {cost.overhead.describe()}")
     if args.replicas > 1:
         print(format_cluster(m, result.wall_time_s))
     else:

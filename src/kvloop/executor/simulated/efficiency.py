@@ -219,6 +219,11 @@ class EngineOverhead:
     def time(self, num_seqs: int, num_tokens: int) -> float:
         return self.step_s + self.seq_s * num_seqs + self.token_s * num_tokens
 
+    def describe(self) -> str:
+        """The three figures in one line, e.g. ``2.82 ms/step + 154.1 µs/request``."""
+        text = f"{self.step_s * 1e3:.2f} ms/step + {self.seq_s * 1e6:.1f} µs/request"
+        return text + (f" + {self.token_s * 1e6:.1f} µs/token" if self.token_s else "")
+
 
 @cache
 def _profiles() -> dict[str, Any]:

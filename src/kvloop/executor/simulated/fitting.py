@@ -195,19 +195,24 @@ def _fit_steps(
     """Decode attention and the engine overhead, fitted to whole runner steps.
 
     What a step costs beyond its measured tables and its chunks' attention (from the
-    kernel timings) is fitted as ``c0 + c1·S + c2·L·kv·Σ contexts + c3·chunks`` by
-    non-negative least squares on relative errors (each step weighted by 1 / its time): c2
-    sets the decode-attention bandwidth fraction (the bandwidth is raised if needed to keep
-    it <= 1), c3 is added to the per-chunk cost (what a prefill chunk costs in a whole step
-    beyond its attention kernel: its group's padding, its rows), c0 and c1 become the
-    overhead's per-step and per-request cost (launches and per-request attention work
-    included), plus the engine loop over a null executor. Steps as the runner really runs
-    them, so the parts add up to the whole.
+    kernel timings) is fitted as ``c0 + c1·S + c2·L·kv·Σ contexts + c3·chunks + c4·T``
+    (S requests, T tokens) by non-negative least squares on relative errors (each step
+    weighted by 1 / its time): c2 sets the decode-attention bandwidth fraction (the
+    bandwidth is raised if needed to keep it <= 1), c3 is added to the per-chunk cost (what
+    a prefill chunk costs in a whole step beyond its attention kernel: its group's padding),
+    c0, c1 and c4 become the overhead's per-step, per-request and per-token cost (launches,
+    per-request attention work, and what a token costs in a whole step beyond the table of
+    a one-sequence forward pass), plus the engine loop over a null executor. Steps as the
+    runner really runs them, so the parts add up to the whole.
 
     NOTE: without c3 and with absolute errors, c0 absorbed what mixed steps cost beyond
     their kernels and the largest steps set every coefficient: on two bfloat16 profiles of
     the default model, decode-only steps came out +7% and +22% (median) too expensive,
     +24% and +37% at worst; fitted this way, -1% and -2%, 16% and 15% at worst.
+    NOTE: c3 alone, fitted on chunks of 128 tokens and more, took what a chunk costs in
+    proportion to its tokens as a fixed 32 ms per chunk (bfloat16, the default model), and
+    steps with chunks under 128 tokens came out +30% too expensive (median, 27 served
+    steps); hence c4, and runner steps with 16- and 64-token chunks in the profile.
     """
     att = hardware.efficiency().attention
     layers = model.num_layers
@@ -225,14 +230,15 @@ def _fit_steps(
         # weight by 1 / the residual, which is not the step's relative error.
         w = 1.0 / step["s"]
         rows.append((w, w * seqs, w * layers * kv_layer * step["decode_context"],
-                     w * len(chunks)))
+                     w * len(chunks), w * tokens))
         resid.append(w * (step["s"] - known))
     bandwidth = hardware.mem_bandwidth
     attention = att
-    step_s = seq_s = 0.0
-    if len(rows) >= 4:
-        c0, c1, c2, c3 = fit_nonnegative(list(zip(*rows, strict=True)), resid, relative=False)
-        step_s, seq_s = float(c0), float(c1)
+    step_s = seq_s = token_s = 0.0
+    if len(rows) >= 5:
+        c0, c1, c2, c3, c4 = fit_nonnegative(list(zip(*rows, strict=True)), resid,
+                                             relative=False)
+        step_s, seq_s, token_s = float(c0), float(c1), float(c4)
         attention = replace(att, chunk_s=att.chunk_s + float(c3) / layers)
         if c2 > 0:
             # NOTE: decode attention cannot read faster than the machine: a fit that says
@@ -249,7 +255,7 @@ def _fit_steps(
         n = [float(s) for s, _ in m.engine_loop]
         loop = list(fit_nonnegative([[1.0] * len(n), n], [t for _, t in m.engine_loop]))
     overhead = EngineOverhead(
-        step_s=step_s + float(loop[0]), seq_s=seq_s + float(loop[1]),
+        step_s=step_s + float(loop[0]), seq_s=seq_s + float(loop[1]), token_s=token_s,
         source=f"kvloop profile on {m.device_name}: runner steps beyond the model's kernels, "
         "and the engine loop",
     )
