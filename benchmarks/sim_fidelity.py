@@ -20,6 +20,11 @@
    after serving, against the calibration's table. On a shared VM this drifts by several
    percent within minutes, and every step of the run drifts with it.
 
+With ``--serve-twice`` the same requests are served a second time right after the first
+(a fresh engine), and the worst mean/median difference between the two real runs is
+printed: how far apart this machine puts two measurements of the same thing, a floor under
+any simulator's error here.
+
 With ``--profile-twice`` the model is profiled again right after serving, and the
 calibration is fitted to the mean of the two profiles' timings (same items, same order):
 a machine drifting steadily over the run is then calibrated at its mid-run speed. The
@@ -27,7 +32,8 @@ worst error with the first profile alone is printed beside it. Both profiles tim
 synthetic items only; nothing is fitted to the served run.
 
     python benchmarks/sim_fidelity.py [--num-requests 100] [--request-rate 1.5]
-        [--scale 0.125] [--calibration PATH] [--profile-twice] [--trace-out PATH]
+        [--scale 0.125] [--calibration PATH] [--profile-twice] [--serve-twice]
+        [--trace-out PATH]
         [--json PATH]
 """
 
@@ -102,6 +108,14 @@ def serve(engine: LLMEngine, workload: list[WorkloadRequest]) -> tuple[float, se
     return start, idle_after
 
 
+def make_engine(args: argparse.Namespace, recorder: StepRecorder) -> LLMEngine:
+    """A fresh torch engine with the benchmark's knobs, recording every step."""
+    return LLMEngine.from_args(EngineArgs(
+        model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    ), recorder=recorder)
+
+
 def run_profile(args: argparse.Namespace, path: Path) -> None:
     """``kvloop profile`` of the served model and knobs, written to ``path``."""
     argv = ["profile", "--model", args.model, "-o", str(path),
@@ -137,10 +151,16 @@ def mean_calibration(first: Calibration, second: Calibration) -> Calibration:
                            device_memory=first.hardware.mem_bytes, created=second.created)
 
 
+def errors_pct(measured: dict, other: dict) -> dict[str, float]:
+    """``other`` against ``measured`` in % for the means and medians of ``METRICS``, by
+    name (``"ttft mean"``, ...)."""
+    return {f"{n} {q}": (other[n][q] / measured[n][q] - 1) * 100
+            for n in METRICS for q in ("mean", "p50")}
+
+
 def worst_error(measured: dict, simulated: dict) -> float:
     """The largest |error| in % over the means and medians of ``METRICS``."""
-    return max(abs(simulated[n][q] / measured[n][q] - 1) * 100
-               for n in METRICS for q in ("mean", "p50"))
+    return max(abs(e) for e in errors_pct(measured, simulated).values())
 
 
 def reference_step(engine: LLMEngine) -> float:
@@ -194,6 +214,9 @@ def main() -> None:
                     help="extra `kvloop profile` flags, e.g. '--quick'")
     ap.add_argument("--profile-twice", action="store_true",
                     help="profile again after serving and calibrate on the mean of both")
+    ap.add_argument("--serve-twice", action="store_true",
+                    help="serve the same requests again and print how far the two real runs "
+                    "are apart (the noise floor of the comparison)")
     ap.add_argument("--trace-out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -209,10 +232,7 @@ def main() -> None:
     cal = Calibration.load(cal_path)
 
     recorder = StepRecorder()
-    engine = LLMEngine.from_args(EngineArgs(
-        model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-    ), recorder=recorder)
+    engine = make_engine(args, recorder)
     sched_cfg, cache_cfg = engine.scheduler.config, engine.scheduler.cache_config
     workload = make_workload(args.num_requests, args.request_rate, args.scale,
                              engine.limits.vocab_size or 1000, sched_cfg.max_model_len, args.seed)
@@ -226,11 +246,18 @@ def main() -> None:
     serve_s = time.perf_counter() - t1
     after = reference_step(engine)
     records = recorder.records
+    measured = summarize_requests(reconstruct_requests(records).values())
+    rerun = None
+    if args.serve_twice:
+        # NOTE: a fresh engine: the first one's prefix cache holds these very prompts.
+        again = StepRecorder()
+        serve(make_engine(args, again), workload)
+        rerun = errors_pct(measured, summarize_requests(reconstruct_requests(
+            again.records).values()))
     if args.trace_out:
         with args.trace_out.open("w") as f:
             for rec in records:
                 f.write(rec.to_json() + "\n")
-    measured = summarize_requests(reconstruct_requests(records).values())
     alone = None
     if args.profile_twice:
         after_path = cal_path.with_name("calibration-after.json")
@@ -274,6 +301,10 @@ def main() -> None:
     print(f"with the served run's own step times instead of the cost model (the loop's error "
           f"alone): {loop_alone:.1f}% ({replay.hits} batches as served, {replay.misses} "
           "costed by the model)")
+    if rerun is not None:
+        print(f"the same requests served again right after, against the first run (this "
+              f"machine's run-to-run noise): worst {max(map(abs, rerun.values())):.1f}%; "
+              + ", ".join(f"{k} {v:+.1f}%" for k, v in rerun.items()))
     ref = cal.tables.token_time(REFERENCE_TOKENS)
     print(f"\nmachine speed: reference forward pass ({REFERENCE_TOKENS} tokens) "
           f"{ref * 1e3:.1f} ms in the profile, {before * 1e3:.1f} ms before serving "
@@ -302,6 +333,7 @@ def main() -> None:
             "reference_step_s": {"profile": ref, "before": before, "after": after},
             "worst_error_first_profile_alone_pct": alone,
             "worst_error_measured_step_times_pct": loop_alone,
+            "served_again_pct": rerun,
         }, indent=1))
 
 
