@@ -21,9 +21,10 @@
    percent within minutes, and every step of the run drifts with it.
 
 With ``--serve-twice`` the same requests are served a second time right after the first
-(a fresh engine), and the worst mean/median difference between the two real runs is
-printed: how far apart this machine puts two measurements of the same thing, a floor under
-any simulator's error here.
+(a fresh engine, the same KV pool), and the mean/median differences between the two real
+runs are printed: how far apart this machine puts two measurements of the same thing, a
+floor under any simulator's error here. With ``--profile-twice`` too, the second profile
+comes after both serves.
 
 With ``--profile-twice`` the model is profiled again right after serving, and the
 calibration is fitted to the mean of the two profiles' timings (same items, same order):
@@ -40,6 +41,7 @@ synthetic items only; nothing is fitted to the served run.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import random
@@ -51,6 +53,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from kvloop.cli import main as kvloop_main
+from kvloop.config import CacheConfig
 from kvloop.core.stats import StepRecorder
 from kvloop.engine.args import EngineArgs
 from kvloop.engine.llm_engine import LLMEngine
@@ -59,7 +62,7 @@ from kvloop.executor.simulated.calibration import Calibration, Measurements
 from kvloop.executor.simulated.fitting import fit_calibration
 from kvloop.sampling_params import SamplingParams
 from kvloop.sim.driver import simulate
-from kvloop.sim.measured import MeasuredSteps
+from kvloop.sim.measured import MeasuredSteps, record_key
 from kvloop.sim.metrics import percentile, summarize_requests
 from kvloop.sim.traces import WorkloadRequest, trace_lengths
 from kvloop.viz.summary import reconstruct_requests
@@ -108,11 +111,14 @@ def serve(engine: LLMEngine, workload: list[WorkloadRequest]) -> tuple[float, se
     return start, idle_after
 
 
-def make_engine(args: argparse.Namespace, recorder: StepRecorder) -> LLMEngine:
-    """A fresh torch engine with the benchmark's knobs, recording every step."""
+def make_engine(args: argparse.Namespace, recorder: StepRecorder,
+                cache: CacheConfig | None = None) -> LLMEngine:
+    """A fresh torch engine with the benchmark's knobs, recording every step; with as many
+    device KV blocks as ``cache`` when given (host blocks follow from the same swap space)."""
     return LLMEngine.from_args(EngineArgs(
         model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=None if cache is None else cache.num_gpu_blocks,
     ), recorder=recorder)
 
 
@@ -163,6 +169,14 @@ def worst_error(measured: dict, simulated: dict) -> float:
     return max(abs(e) for e in errors_pct(measured, simulated).values())
 
 
+def free_device_cache() -> None:
+    """Hand CUDA's cached blocks back, so that the next engine sees them free."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def reference_step(engine: LLMEngine) -> float:
     """Seconds of the runner's forward pass at REFERENCE_TOKENS tokens without attention
     (what ``kvloop profile`` tabulates), timed now."""
@@ -176,7 +190,7 @@ def reference_step(engine: LLMEngine) -> float:
 
 
 def step_errors(
-    records, cost: CostModel, idle_after: set[int]
+    records, cost: CostModel, idle_after: set[int], block_size: int
 ) -> dict[str, list[tuple[float, float]]]:
     """(simulated, measured) seconds of every step, by step kind."""
     out: dict[str, list[tuple[float, float]]] = {"all": [], "decode": [], "mixed": [],
@@ -184,13 +198,10 @@ def step_errors(
     for rec, nxt in itertools.pairwise(records):
         if rec.step in idle_after or not rec.scheduled:
             continue
-        decodes = [e for e in rec.scheduled if e.num_tokens == 1]
-        chunks = [(e.num_tokens, e.num_computed_tokens) for e in rec.scheduled
-                  if e.num_tokens > 1]
-        predicted = cost.step_time(len(decodes), sum(e.num_computed_tokens + 1 for e in decodes),
-                                   chunks)
+        num_decodes, context, chunks, swapped = record_key(rec)
+        predicted = cost.step_time(num_decodes, context, chunks, swapped, block_size=block_size)
         pair = (predicted, nxt.time_s - rec.time_s)
-        kind = "decode" if not chunks else "prefill" if not decodes else "mixed"
+        kind = "decode" if not chunks else "prefill" if not num_decodes else "mixed"
         out["all"].append(pair)
         out[kind].append(pair)
     return out
@@ -249,11 +260,19 @@ def main() -> None:
     measured = summarize_requests(reconstruct_requests(records).values())
     rerun = None
     if args.serve_twice:
-        # NOTE: a fresh engine: the first one's prefix cache holds these very prompts.
+        # NOTE: a fresh engine (the first one's prefix cache holds these very prompts) with
+        # the same KV pool, warmed up as the first was; the first is freed before it, or on
+        # a GPU the second would size its pool from what the first left.
+        del engine
+        gc.collect()
+        free_device_cache()
         again = StepRecorder()
-        serve(make_engine(args, again), workload)
+        second = make_engine(args, again, cache_cfg)
+        reference_step(second)
+        serve(second, workload)
         rerun = errors_pct(measured, summarize_requests(reconstruct_requests(
             again.records).values()))
+        del second
     if args.trace_out:
         with args.trace_out.open("w") as f:
             for rec in records:
@@ -272,7 +291,7 @@ def main() -> None:
     cost = cal.cost_model()
     sim = simulate(workload, sched_cfg, cache_cfg, cost)
     simulated = sim.metrics
-    errors = step_errors(records, cost, idle_after)
+    errors = step_errors(records, cost, idle_after, cache_cfg.block_size)
     replay = MeasuredSteps(records, idle_after=idle_after, fallback=cost)
     loop_alone = worst_error(measured, simulate(workload, sched_cfg, cache_cfg, replay).metrics)
 

@@ -25,8 +25,7 @@ from kvloop.core.loop import run_step
 from kvloop.core.request import Request
 from kvloop.core.scheduler import Scheduler
 from kvloop.core.stats import StepRecorder
-from kvloop.executor.simulated.cost_model import CostModel
-from kvloop.executor.simulated.executor import SimulatedExecutor
+from kvloop.executor.simulated.executor import SimulatedExecutor, StepCost
 from kvloop.sampling_params import SamplingParams
 from kvloop.sim.load import load_summary
 from kvloop.sim.metrics import summarize_requests
@@ -75,7 +74,7 @@ class Replica:
     """
 
     def __init__(self, name: str, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 cost_model: CostModel, recorder: StepRecorder | None = None) -> None:
+                 cost_model: StepCost, recorder: StepRecorder | None = None) -> None:
         self.name = name
         """The replica's id (what a router ranks)."""
         self.clock = VirtualClock()
@@ -265,7 +264,7 @@ def simulate(
     workload: Sequence[WorkloadRequest],
     scheduler_config: SchedulerConfig,
     cache_config: CacheConfig,
-    cost_model: CostModel,
+    cost_model: StepCost,
     *,
     recorder: StepRecorder | None = None,
     progress: bool = False,

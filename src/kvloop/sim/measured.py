@@ -5,7 +5,7 @@ simulation can miss a real run: the cost model (what a step costs) and the loop 
 steps happen, when requests join and get their tokens). With :class:`MeasuredSteps` the cost
 model is exact for every batch the real engine ran, so what is left is the loop's error.
 ``benchmarks/sim_fidelity.py`` prints it beside the cost model's; on kvloop's torch engine it
-is under 1% (``docs/simulator.md``), so its misses come from the cost model and the machine.
+is 0.0–0.1% (``docs/simulator.md``), so its misses come from the cost model and the machine.
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ class MeasuredSteps:
 
     A step's time is from its start to the next step's start (what it held the engine for,
     bookkeeping included), or to its end when an idle wait followed it (``idle_after``, and
-    the last step). A batch the run ran several times (prompts of one length, say) is
-    answered with its times in the order the run measured them, the last one again once
-    they are used up. A batch the run never ran goes to ``fallback`` and is counted in
-    ``misses``; with no fallback it raises ``KeyError``.
+    the last step). So simulated steps start when the served ones did, and each token is
+    stamped at the next step's start rather than its own step's end: later by the host time
+    between the two (a few ms on a CPU). A batch the run ran several times (prompts of one
+    length, say) is answered with its times in the order the run measured them, the last
+    one again once they are used up: one instance serves one simulation. A batch the run
+    never ran goes to ``fallback`` and is counted in ``misses``; with no fallback it raises
+    ``KeyError``. A step with nothing to do costs 0.
     """
 
     def __init__(self, records: Sequence[StepRecord], *, idle_after: Iterable[int] = (),
@@ -54,11 +57,14 @@ class MeasuredSteps:
         self.times: dict[BatchKey, deque[float]] = defaultdict(deque)
         """Measured seconds by batch, in the run's order."""
         for rec, nxt in itertools.pairwise([*records, None]):
-            if not rec.scheduled:
+            # NOTE: the steps that take time are those ``kvloop.sim.driver._ran`` counts:
+            # tokens scheduled, or blocks swapped out.
+            if not rec.scheduled and not rec.num_blocks_swapped_out:
                 continue
             end = rec.end_time_s if nxt is None or rec.step in idle else nxt.time_s
             self.times[record_key(rec)].append(end - rec.time_s)
         self.fallback = fallback
+        """Costs the batches the run never ran (None: they raise ``KeyError``)."""
         self.hits = 0
         """Batches answered from the run."""
         self.misses = 0
@@ -68,6 +74,8 @@ class MeasuredSteps:
                   swap_blocks: int = 0, block_size: int = 16) -> float:
         """Seconds the recorded run took for this batch (``CostModel.step_time``'s
         signature)."""
+        if not num_decodes and not chunks and not swap_blocks:
+            return 0.0
         key = batch_key(num_decodes, decode_context, chunks, swap_blocks)
         times = self.times.get(key)
         if times:

@@ -7,17 +7,28 @@ model runner, no hardware behind it. Output lengths come from the workload (each
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
-from kvloop.executor.simulated.cost_model import CostModel
+from kvloop.executor.simulated.cost_model import Chunk
 
 PLACEHOLDER_TOKEN = 0
 _ONE = (PLACEHOLDER_TOKEN,)
 
 
+class StepCost(Protocol):
+    """What the simulated executor asks of a cost model (``CostModel``, or
+    ``kvloop.sim.measured.MeasuredSteps``): the seconds of one step's batch."""
+
+    def step_time(self, num_decodes: int, decode_context: int, chunks: Sequence[Chunk] = (),
+                  swap_blocks: int = 0, block_size: int = 16) -> float: ...
+
+
 class SimulatedExecutor:
     """Executor whose step time is the cost model's prediction for the scheduled batch."""
 
-    def __init__(self, cost_model: CostModel, block_size: int) -> None:
+    def __init__(self, cost_model: StepCost, block_size: int) -> None:
         self.cost_model = cost_model
         self.block_size = block_size
 

@@ -389,8 +389,10 @@ def plan(
             if b in (8, 32) and max_t - b > chunk:  # a full step: decodes + a big chunk
                 layouts.append((256, [(min(max_t - b, prof.max_context // 2), 0)]))
             # NOTE: small chunks too (short prompts, a chunk's tail), so that the step fit
-            # can tell a chunk's fixed cost from its cost per token.
-            layouts.append((256, [(min(16 if b in (2, 8, 32) else 64, chunk), 0)]))
+            # can tell a chunk's fixed cost from its cost per token; both sizes at one
+            # decode, so that a profile of one request still has a step per coefficient.
+            small = (16, 64) if b == 1 else (16,) if b in (2, 8, 32) else (64,)
+            layouts += [(256, [(c, 0)]) for c in small if c < chunk]
         for base, chunks in layouts:
             extra = sum(c + p for c, p in chunks)
             if base > prof.max_context or not prof.fits(b, base, extra):
