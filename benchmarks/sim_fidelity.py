@@ -212,17 +212,19 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-requests", type=int, default=100)
-    ap.add_argument("--request-rate", type=float, default=1.5)
+    ap.add_argument("--num-requests", type=int, default=100, help="(default: %(default)s)")
+    ap.add_argument("--request-rate", type=float, default=1.5,
+                    help="Poisson arrivals per second (default: %(default)s)")
     ap.add_argument("--scale", type=float, default=0.125,
                     help="multiply the ShareGPT lengths (default: %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calibration", type=Path, default=None,
-                    help="reuse a `kvloop profile` file instead of profiling first")
+                    help="reuse a `kvloop profile` file instead of profiling first (each "
+                    "run prints where its own profile was written); not with --profile-twice")
     ap.add_argument("--profile-args", default="",
-                    help="extra `kvloop profile` flags, e.g. '--quick'")
+                    help="extra `kvloop profile` flags, e.g. --profile-args=--quick")
     ap.add_argument("--profile-twice", action="store_true",
                     help="profile again after serving and calibrate on the mean of both")
     ap.add_argument("--serve-twice", action="store_true",
@@ -321,8 +323,9 @@ def main() -> None:
           f"alone): {loop_alone:.1f}% ({replay.hits} batches as served, {replay.misses} "
           "costed by the model)")
     if rerun is not None:
-        print(f"the same requests served again right after, against the first run (this "
-              f"machine's run-to-run noise): worst {max(map(abs, rerun.values())):.1f}%; "
+        print(f"the same requests served again right after, second run against the first "
+              f"(+: the second took longer; this machine's run-to-run noise): worst "
+              f"{max(map(abs, rerun.values())):.1f}%; "
               + ", ".join(f"{k} {v:+.1f}%" for k, v in rerun.items()))
     ref = cal.tables.token_time(REFERENCE_TOKENS)
     print(f"\nmachine speed: reference forward pass ({REFERENCE_TOKENS} tokens) "

@@ -74,6 +74,8 @@ def test_tables_apply_to_the_profiled_model_only() -> None:
         (lambda d: d["model"].update(num_layers=-1), "num_layers"),
         (lambda d: d["overhead"].update(step_s=-1), "step_s"),
         (lambda d: d.update(num_gpu_blocks=0), "num_gpu_blocks"),
+        (lambda d: d.update(block_size="x"), "'block_size' must be a whole number"),
+        (lambda d: d.update(kvloop_calibration=99), "calibration format 99; this kvloop reads"),
     ],
 )
 def test_bad_calibration_is_one_clear_error(tmp_path, edit, needle) -> None:
@@ -101,7 +103,7 @@ def test_cli_bad_calibration_and_gpu_files_exit_2_with_one_line(tmp_path) -> Non
     cases = [
         (["--calibration", str(tmp_path / "missing.json")], "calibration file not found"),
         (["--calibration", str(not_json)], "not a readable JSON calibration"),
-        (["--calibration", str(other)], "not a kvloop calibration file"),
+        (["--calibration", str(other)], "calibration format 99"),
         (["--gpu", str(bad_gpu)], "missing key(s)"),
         (["--gpu", "h100", "--engine-overhead", "fast"], "engine overhead must be"),
     ]

@@ -165,5 +165,7 @@ def run(args: argparse.Namespace) -> int:
           f"{a.launch_s * 1e6:.0f} µs/layer/step, {a.chunk_s * 1e6:.0f} µs/layer/chunk")
     print(f"overhead    {cal.overhead.describe()} "
           "(runner and engine time beyond the measured kernels)")
-    print(f"use it:     kvloop simulate --calibration {out} ...")
+    print(f"use it:     kvloop simulate --calibration {out} --max-num-batched-tokens "
+          f"{settings.max_num_batched_tokens} --max-num-seqs {settings.max_num_seqs} ... "
+          "(the largest steps measured)")
     return 0

@@ -114,10 +114,15 @@ class Calibration:
     @classmethod
     def from_dict(cls, d: Any, where: str = "calibration") -> Calibration:
         """Validate and build; any problem is one ValueError naming ``where``."""
-        if not isinstance(d, dict) or d.get("kvloop_calibration") != FORMAT_VERSION:
+        if not isinstance(d, dict) or "kvloop_calibration" not in d:
             raise ValueError(
                 f"{where}: not a kvloop calibration file (format {FORMAT_VERSION}); make one "
                 "with `kvloop profile`"
+            )
+        if d["kvloop_calibration"] != FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: calibration format {d['kvloop_calibration']!r}; this kvloop reads "
+                f"format {FORMAT_VERSION}: profile again with `kvloop profile`"
             )
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names - {"kvloop_calibration"})
@@ -144,8 +149,8 @@ class Calibration:
                 hardware=hardware_spec_from_dict(d["hardware"], "hardware"),
                 overhead=EngineOverhead(**overhead),
                 tables=StepTables(**{k: tuple(v) for k, v in tables.items()}),
-                block_size=int(d["block_size"]),
-                num_gpu_blocks=int(d["num_gpu_blocks"]),
+                block_size=_count(d, "block_size"),
+                num_gpu_blocks=_count(d, "num_gpu_blocks"),
                 measurements=dict(d.get("measurements") or {}),
             )
         except (TypeError, ValueError) as exc:
@@ -157,3 +162,11 @@ class Calibration:
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         return cls.from_dict(read_json(path, "calibration"), str(path))
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    """``d[key]`` as a whole number; a ValueError naming ``key`` otherwise."""
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"'{key}' must be a whole number, got {value!r}")
+    return int(value)

@@ -220,8 +220,9 @@ class EngineOverhead:
         return self.step_s + self.seq_s * num_seqs + self.token_s * num_tokens
 
     def describe(self) -> str:
-        """The three figures in one line, e.g. ``2.82 ms/step + 154.1 µs/request``."""
-        text = f"{self.step_s * 1e3:.2f} ms/step + {self.seq_s * 1e6:.1f} µs/request"
+        """The three figures in one line and one unit, e.g. ``2820.0 µs/step + 154.1
+        µs/request`` (the per-token figure when it is not 0)."""
+        text = f"{self.step_s * 1e6:.1f} µs/step + {self.seq_s * 1e6:.1f} µs/request"
         return text + (f" + {self.token_s * 1e6:.1f} µs/token" if self.token_s else "")
 
 

@@ -402,7 +402,9 @@ def plan(
             def step(b: int = b, dc: list[int] = decode_ctx, ch: list = chunks) -> None:
                 m.runner_steps.append({"decodes": b, "decode_context": sum(dc),
                                        "chunks": ch, "s": prof.runner_step(dc, ch)})
-            add(f"runner step, {b} decodes{' + a chunk' if chunks else ''} ~{base}", step)
+            chunk_label = "".join(f" + a {c}-token chunk" + (f" after {p}" if p else "")
+                                  for c, p in chunks)
+            add(f"runner step, {b} decodes of ~{base} tokens{chunk_label}", step)
     for b in [b for b in (1, 16, 64) if b <= max_s]:
         add(f"engine loop, {b} requests",
             lambda b=b: m.engine_loop.append(
