@@ -272,8 +272,7 @@ def main() -> None:
         second = make_engine(args, again, cache_cfg)
         reference_step(second)
         serve(second, workload)
-        rerun = errors_pct(measured, summarize_requests(reconstruct_requests(
-            again.records).values()))
+        rerun = summarize_requests(reconstruct_requests(again.records).values())
         del second
     if args.trace_out:
         with args.trace_out.open("w") as f:
@@ -325,8 +324,8 @@ def main() -> None:
     if rerun is not None:
         print(f"the same requests served again right after, second run against the first "
               f"(+: the second took longer; this machine's run-to-run noise): worst "
-              f"{max(map(abs, rerun.values())):.1f}%; "
-              + ", ".join(f"{k} {v:+.1f}%" for k, v in rerun.items()))
+              f"{worst_error(measured, rerun):.1f}%; "
+              + ", ".join(f"{k} {v:+.1f}%" for k, v in errors_pct(measured, rerun).items()))
     ref = cal.tables.token_time(REFERENCE_TOKENS)
     print(f"\nmachine speed: reference forward pass ({REFERENCE_TOKENS} tokens) "
           f"{ref * 1e3:.1f} ms in the profile, {before * 1e3:.1f} ms before serving "
@@ -355,7 +354,7 @@ def main() -> None:
             "reference_step_s": {"profile": ref, "before": before, "after": after},
             "worst_error_first_profile_alone_pct": alone,
             "worst_error_measured_step_times_pct": loop_alone,
-            "served_again_pct": rerun,
+            "served_again_pct": rerun and errors_pct(measured, rerun),
         }, indent=1))
 
 

@@ -15,7 +15,8 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 
 from kvloop.core.stats import StepRecord
-from kvloop.executor.simulated.cost_model import Chunk, CostModel
+from kvloop.executor.simulated.cost_model import Chunk
+from kvloop.executor.simulated.executor import StepCost
 
 BatchKey = tuple[int, int, tuple[Chunk, ...], int]
 """(decodes, Σ their contexts, sorted (c, p) chunks, blocks swapped): what a cost model sees
@@ -52,7 +53,7 @@ class MeasuredSteps:
     """
 
     def __init__(self, records: Sequence[StepRecord], *, idle_after: Iterable[int] = (),
-                 fallback: CostModel | None = None) -> None:
+                 fallback: StepCost | None = None) -> None:
         idle = set(idle_after)
         self.times: dict[BatchKey, deque[float]] = defaultdict(deque)
         """Measured seconds by batch, in the run's order."""
