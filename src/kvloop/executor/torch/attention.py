@@ -20,7 +20,10 @@ the padded query rows), plus a fixed overhead worth ``_GROUP_OVERHEAD`` slots. E
 make one group; a long prompt next to short ones gets its own.
 
 ``flex.py`` reads the same groups' blocks in place instead (the CUDA default): the metadata
-then carries one FlexAttention block mask per group and no additive masks.
+then carries one FlexAttention block mask per group and no additive masks. On CPUs where
+kvloop's own kernels run, decodes are one group read in place by ``native.decode_attention``
+(it walks each sequence's block table: no gather, no padding); prefill chunks keep the
+gather path there.
 
 NOTE: the cache must be zero-initialised: masked slots still enter the ``P @ V`` product
 (with weight 0), and garbage NaNs there would poison the output.
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from kvloop.executor.torch import native
 from kvloop.executor.torch.flex import block_masks
 
 _GROUP_OVERHEAD = 512
@@ -70,6 +74,9 @@ class AttentionGroup:
     """[B * q_max] int64 rows (from row_start) of the padded queries (None: no padding)."""
     out_index: Tensor | None = None
     """[row_end - row_start] int64 rows of the padded output that are real tokens."""
+    context_lens: Tensor | None = None
+    """[B] int64 context lengths of a decode group read in place by kvloop's kernel
+    (``native.decode_attention``); None on the gather path."""
 
     def queries(self, q: Tensor) -> Tensor:
         """This group's rows of the step's queries ``q`` ([T, H, d]), padded to its longest
@@ -108,6 +115,7 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype,
     flex_pool_blocks: int | None = None,
+    native_decodes: bool = False,
 ) -> tuple[AttentionMetadata, Tensor]:
     """Metadata and the [T] positions of a step whose requests compute tokens
     ``[starts[i], starts[i] + lengths[i])`` with the given block tables.
@@ -115,7 +123,9 @@ def build_metadata(
     The first ``num_decodes`` requests have one token each; requests of each kind should be
     sorted by context length (``start + length``) so that groups pad little. With
     ``flex_pool_blocks`` (the pool's block count) the metadata also holds the block masks
-    that read the blocks in place (``flex.py``)."""
+    that read the blocks in place (``flex.py``). With ``native_decodes`` the decodes form one
+    group that kvloop's CPU kernel reads in place (``native.decode_attention``: no padding to
+    pay for, so no split and no mask)."""
     n_req = len(starts)
     ctx_l = [s + n for s, n in zip(starts, lengths, strict=True)]
     starts_t = torch.tensor(starts, dtype=torch.long)
@@ -138,7 +148,10 @@ def build_metadata(
     build = _GroupBuilder(
         table, starts_t, lens_t, first_tok.tolist(), ctx_l, block_size, dtype, masks
     )
-    groups = [build.decodes(lo, hi) for lo, hi in _split(ctx_l, [1] * num_decodes, 0, 0)]
+    if native_decodes:
+        groups = [build.native_decodes(num_decodes)] if num_decodes else []
+    else:
+        groups = [build.decodes(lo, hi) for lo, hi in _split(ctx_l, [1] * num_decodes, 0, 0)]
     prefill_spans = _split(ctx_l, list(lengths[num_decodes:]), num_decodes, _PAIR_COST)
     groups += [build.prefills(lo, hi) for lo, hi in prefill_spans]
     meta = AttentionMetadata(slot_mapping=slots, groups=groups)
@@ -211,6 +224,10 @@ class _GroupBuilder:
             mask = _additive(allowed.view(hi - lo, 1, 1, width), self.dtype)
         return AttentionGroup(lo, hi, hi - lo, blocks, mask)
 
+    def native_decodes(self, n: int) -> AttentionGroup:
+        blocks, _ = self._blocks(0, n)
+        return AttentionGroup(0, n, n, blocks, None, context_lens=torch.tensor(self.ctx[:n]))
+
     def prefills(self, lo: int, hi: int) -> AttentionGroup:
         blocks, width = self._blocks(lo, hi)
         lens = self.lens[lo:hi]
@@ -248,6 +265,7 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     for g in meta.groups:
         g.blocks = g.blocks.to(device, non_blocking=True)
         g.mask, g.q_index, g.out_index = move(g.mask), move(g.q_index), move(g.out_index)
+        g.context_lens = move(g.context_lens)
     return meta
 
 
@@ -278,8 +296,14 @@ def paged_attention(q: Tensor, cache: Tensor, meta: AttentionMetadata, scale: fl
     parts: list[Tensor] = []
     for g in meta.groups:
         b = g.num_seqs
-        k, v = _gather(cache, g.blocks, b)
         qg = q[g.row_start : g.row_end]
+        if g.context_lens is not None:
+            out = q.new_empty(b, num_heads * head_dim)
+            native.kernels().decode_attention(qg, cache, g.blocks.view(b, -1), g.context_lens,
+                                              scale, out)
+            parts.append(out)
+            continue
+        k, v = _gather(cache, g.blocks, b)
         if g.q_max == 1:
             # NOTE: query head h uses KV head h // rep (transformers' repeat_kv order), so
             # the heads sharing a KV head become `rep` query rows of it.

@@ -17,10 +17,13 @@ bandwidth. Three layouts:
   553 µs against the output-split ``bmm`` layout it replaced (``docs/benchmarks.md``).
 - :class:`Int4Linear` (``quantization="int4"``, CPU, bfloat16 activations): weight-only
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
-  min/max, as llama.cpp's Q4_1), through torch's ``_weight_int4pack_mm_for_cpu``. A 4-bit
+  min/max, as llama.cpp's Q4_1), through kvloop's own AVX-512 VNNI kernel
+  (``native.q4_linear``, int8 activations as llama.cpp's Q8_1) where it runs, else torch's
+  ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales). A 4-bit
   GGUF (Q4_1) dequantised at conversion is re-quantised here onto its own grid: every Q4_1
   group holds its min (code 0) and its max (code 15), so min/max recover its scale and
-  offset, up to the bfloat16 rounding of the kernel's scales. The LM head is not quantised
+  offset (exactly with kvloop's kernel; up to the bfloat16 rounding of torch's scales).
+  The LM head is not quantised
   (llama.cpp's 4-bit files keep it at 8 bits or more; the default model's is Q8_0).
 """
 
@@ -29,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvloop.executor.torch import native
 
 INT4_GROUP = 32
 """Input elements sharing one int4 scale and zero (llama.cpp's Q4_0/Q4_1 block)."""
@@ -95,8 +100,12 @@ def packable(weight: Tensor) -> bool:
 
 
 class Int4Linear:
-    """Weight-only int4 ``x @ W (+ b)``: ``W[o, i] ~ (q[o, i] - 8) * scale[g, o] + zero[g, o]``
-    with ``g = i // 32`` (module docstring). ``x`` must be bfloat16."""
+    """Weight-only int4 ``x @ W.T (+ b)``: ``W[o, i] ~ scale[o, g] * q[o, i] + low[o, g]``
+    with ``g = i // 32`` and ``q`` in 0..15 (module docstring). ``x`` must be bfloat16.
+
+    Through kvloop's own kernel where it runs (``native.q4_linear``: float32 scales and
+    offsets, activations quantised per group of 32 to int8, as llama.cpp multiplies Q4_1),
+    else torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 scales, bfloat16 activations)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
         out_features, in_features = weight.shape
@@ -109,24 +118,42 @@ class Int4Linear:
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
         q = codes.to(torch.int32).view(out_features, in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+        self._kernels = native.kernels() if out_features % native.Q4_TILE == 0 else None
+        if self._kernels is not None:
+            self.packed, self.scales, self.lows = native.pack_q4(q, scale, low)
+            # NOTE: the kernel adds a float32 bias before its one rounding to the output.
+            self._bias32 = None if bias is None else bias.float().contiguous()
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # NOTE: the kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
+        # NOTE: torch's kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
         zero = low + 8 * scale
         self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        self.bias = bias
-        self.in_features, self.out_features = in_features, out_features
 
     @property
     def tensors(self) -> list[Tensor]:
+        if self._kernels is not None:
+            return [t for t in (self.packed, self.scales, self.lows, self.bias) if t is not None]
         return [t for t in (self.packed, self.scale_zeros, self.bias) if t is not None]
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self._kernels is not None:
+            out = x.new_empty(x.shape[0], self.out_features)
+            self._kernels.q4_linear(x.contiguous(), self.packed, self.scales, self.lows,
+                                    self._bias32, out, False)
+            return out
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed,
                                                        INT4_GROUP, self.scale_zeros)
         return y if self.bias is None else y.add_(self.bias)
 
     def add_to_(self, out: Tensor, x: Tensor) -> None:
-        out.add_(self(x))
+        """``out += x @ W.T (+ b)`` in place (one rounding with kvloop's kernel)."""
+        if self._kernels is not None and out.is_contiguous():
+            self._kernels.q4_linear(x.contiguous(), self.packed, self.scales, self.lows,
+                                    self._bias32, out, True)
+        else:
+            out.add_(self(x))
 
 
 Linear = DenseLinear | PackedLinear | Int4Linear

@@ -8,7 +8,6 @@ requested dtype and placed on the device, so peak host memory stays near one ten
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from kvloop.executor.torch.models import ModelConfig, get_model_class
 from kvloop.executor.torch.models.llama import LlamaForCausalLM
+from kvloop.executor.torch.native import cpu_flags
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -36,19 +36,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cpu_has_native_bf16() -> bool:

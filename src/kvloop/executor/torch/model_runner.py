@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvloop.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kvloop.executor.torch import native
 from kvloop.executor.torch.attention import build_metadata
 from kvloop.executor.torch.kv_cache import (
     KVCache,
@@ -121,6 +122,10 @@ class TorchModelRunner:
         )
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         cfg = self.model_config
+        self.native_attention: bool = not self.flex_attention and native.attention_supported(
+            self.device, self.dtype, cfg.head_dim, cfg.num_heads)
+        """Decodes read the KV blocks in place through kvloop's CPU kernel
+        (``native.decode_attention``); prefill chunks still gather."""
         per_block = block_bytes(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype
         )
@@ -311,6 +316,7 @@ class TorchModelRunner:
             device=dev,
             dtype=self.dtype,
             flex_pool_blocks=self.num_gpu_blocks if self.flex_attention else None,
+            native_decodes=self.native_attention,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)

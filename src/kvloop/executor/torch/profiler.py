@@ -196,7 +196,8 @@ class Profiler:
         tables = self._blocks([s + n for s, n in zip(starts, lengths, strict=True)])
         return build_metadata(starts=starts, lengths=lengths, block_tables=tables,
                               num_decodes=num_decodes, block_size=bs, device=self.device,
-                              dtype=self.runner.dtype)
+                              dtype=self.runner.dtype,
+                              native_decodes=self.runner.native_attention)
 
     # -- 1 and 2: per-token work and GEMMs ----------------------------------------------
     def token_work(self, t: int) -> float:

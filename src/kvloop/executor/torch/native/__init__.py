@@ -1,0 +1,138 @@
+"""kvloop's own CPU kernels (C++, AVX-512 with VNNI), built on first use.
+
+torch's CPU build has no kernel for the two things a small-batch decode step spends its
+time on beyond the stock GEMMs (``docs/benchmarks.md``, issue 15), so kvloop ships them:
+
+- ``q4_linear``: 4-bit weights (groups of 32, a float32 scale and offset each: llama.cpp's
+  Q4_1) times activations quantised per group of 32 to int8 (llama.cpp's Q8_1), with
+  ``vpdpbusd``; ``linear.Int4Linear`` uses it.
+- ``decode_attention``: one query token per sequence over its paged KV, reading the cache
+  blocks in place through the block table (no gathered copy); ``attention.paged_attention``
+  uses it for decode groups.
+
+The sources (``*.cpp`` beside this file) are compiled once per machine with
+``torch.utils.cpp_extension`` (about a minute on 2 cores) into
+``$KVLOOP_CACHE_DIR/native/``, and reused after. Where they cannot run — no AVX-512 VNNI,
+no C++ compiler, a failed build, or ``KVLOOP_NATIVE=0`` (for A/B measurements) —
+:func:`kernels` returns None and kvloop uses torch's kernels: same results up to rounding,
+slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+"""CPU features (``/proc/cpuinfo`` names) the kernels are compiled for."""
+_CFLAGS = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+           "-mavx512vnni"]
+_SOURCES = ("module.cpp", "q4_linear.cpp", "decode_attention.cpp")
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+"""Cache dtypes ``decode_attention`` reads."""
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`kernels` cannot build on this machine before trying (None: it may)."""
+    if os.environ.get("KVLOOP_NATIVE", "1") == "0":
+        return "KVLOOP_NATIVE=0"
+    if sys.platform != "linux":
+        return f"platform {sys.platform}"
+    missing = REQUIRED_FLAGS - cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    return None
+
+
+@cache
+def kernels() -> ModuleType | None:
+    """The compiled kernels, building them on the first call of a machine; None where they
+    cannot run (module docstring), with the reason logged once."""
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("kvloop's CPU kernels are off (%s): using torch's", reason)
+        return None
+    from torch.utils.cpp_extension import load  # NOTE: slow import, only when building
+
+    from kvloop.engine.model_source import cache_dir
+
+    here = Path(__file__).parent
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    build = cache_dir() / "native" / tag
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print("kvloop: compiling its CPU kernels (once per machine, about a minute)...",
+              file=sys.stderr, flush=True)
+    _ninja_on_path()
+    try:
+        return load(name="kvloop_native", sources=[str(here / s) for s in _SOURCES],
+                    extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build), verbose=False)
+    except Exception as exc:  # NOTE: any build failure falls back to torch's kernels
+        log.warning("kvloop's CPU kernels did not build (%s): using torch's", exc)
+        return None
+
+
+def _ninja_on_path() -> None:
+    """Put the ``ninja`` package's binary on PATH: torch's builder runs ``ninja`` from PATH,
+    which lacks the venv's ``bin`` when its Python is called without activating it."""
+    try:
+        import ninja
+    except ImportError:  # NOTE: a system ninja may still be on PATH
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+def attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
+                        num_heads: int) -> bool:
+    """Whether ``decode_attention`` serves a model of this shape and dtype on ``device``
+    (building the kernels if needed)."""
+    return (device.type == "cpu" and dtype in ATTENTION_DTYPES and head_dim % 16 == 0
+            and head_dim // 16 in (4, 5, 6, 8, 16) and num_heads <= 256
+            and kernels() is not None)
+
+
+Q4_TILE = 16
+"""Outputs per ``q4_linear`` tile: a matrix's output count must be a multiple of it."""
+
+
+def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q4_linear``'s layout (``q4_linear.cpp``) of ``W[n, k] = scale[n, g] * codes[n, k]
+    + low[n, g]``, ``g = k // 32``: codes ``[N, K]`` in 0..15, scale and low ``[N, K/32]``.
+    Returns the packed bytes ``[N/16, K/32, 256]`` and float32 scales and offsets ``[N/16,
+    K/32, 16]``."""
+    n, k = codes.shape
+    tiles, groups = n // Q4_TILE, k // 32
+    # (tile, row, group, chunk, high nibble?, byte) -> (tile, group, chunk, row, byte, nibble)
+    c = codes.to(torch.uint8).view(tiles, Q4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    c = c.contiguous()
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+
+    def per_tile(t: Tensor) -> Tensor:
+        return t.float().view(tiles, Q4_TILE, groups).transpose(1, 2).contiguous()
+
+    return packed, per_tile(scale), per_tile(low)

@@ -1,0 +1,215 @@
+// Attention of decode tokens over their paged KV, reading the cache blocks in place.
+//
+// One query token per sequence. Each sequence (or, with fewer sequences than twice the threads,
+// each (sequence, KV head)) is one task: its query heads walk the block table once for K
+// (scores in float32), take a softmax, then walk it once for V. Nothing is gathered into a contiguous copy. Float32 arithmetic for
+// float32 and bfloat16 caches alike; the output is rounded once to the cache's dtype.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+constexpr int kMaxHeads = 256;  // query heads of one task
+}  // namespace
+
+namespace {
+
+// Software prefetch of the bytes [p, p + n) into L1/L2 (a block's rows, ahead of their use).
+inline void prefetch(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// The sums of the 16 lanes of each of s0..s3, as [sum s0, sum s1, sum s2, sum s3].
+inline __m128 hsum4(__m512 s0, __m512 s1, __m512 s2, __m512 s3) {
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(s0, s1), _mm512_unpackhi_ps(s0, s1));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(s2, s3), _mm512_unpackhi_ps(s2, s3));
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+  const __m512 c = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// One task: sequence b, KV heads [h0, h1), each head's g query heads together. Reads the
+// sequence's slots for K, then for V, prefetching a block ahead (all the task's heads of it).
+template <typename T, int ND>
+void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, int64_t row,
+            const int64_t* blocks, int64_t L, int64_t h0, int64_t h1, int64_t G, float scale,
+            float* qf, float* sc, T* out) {
+  constexpr int64_t D = ND * 16;
+  constexpr int GC = ND <= 4 ? 4 : (ND <= 8 ? 2 : 1);  // query heads accumulated in registers
+  const int64_t nh = (h1 - h0) * G;  // query heads of this task
+  const int64_t ld = L + 16;          // score row stride (room for a masked tail)
+  const int64_t span = (h1 - h0) * D * sizeof(T);
+  for (int64_t j = 0; j < nh; ++j)
+    for (int i = 0; i < ND; ++i)
+      _mm512_storeu_ps(qf + j * D + 16 * i,
+                       _mm512_mul_ps(kvloop::load16(q + j * D + 16 * i), _mm512_set1_ps(scale)));
+  auto slot = [&](const T* base, int64_t t, int64_t h) {
+    return base + (blocks[t / block_size] * block_size + t % block_size) * row + (h0 + h) * D;
+  };
+  auto prefetch_block = [&](const T* base, int64_t t) {  // the block holding slot t
+    if (t >= L) return;
+    const T* first = base + blocks[t / block_size] * block_size * row + h0 * D;
+    for (int64_t r = 0; r < block_size; ++r) prefetch(first + r * row, span);
+  };
+  for (int64_t h = 0; h < h1 - h0; ++h) {
+    if (h == 0) prefetch_block(k_base, 0);
+    const float* qh = qf + h * G * D;
+    float* sh = sc + h * G * ld;
+    int64_t t = 0;
+    for (; t + 4 <= L; t += 4) {
+      if (h == 0 && t % block_size < 4) prefetch_block(k_base, t + block_size);
+      __m512 kv[4][ND];
+      for (int j = 0; j < 4; ++j) {
+        const T* k = slot(k_base, t + j, h);
+        for (int i = 0; i < ND; ++i) kv[j][i] = kvloop::load16(k + 16 * i);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s[4];
+        for (int j = 0; j < 4; ++j) {
+          s[j] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D), kv[j][0]);
+          for (int i = 1; i < ND; ++i)
+            s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + 16 * i), kv[j][i], s[j]);
+        }
+        _mm_storeu_ps(sh + g * ld + t, hsum4(s[0], s[1], s[2], s[3]));
+      }
+    }
+    for (; t < L; ++t) {
+      const T* k = slot(k_base, t, h);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D), kvloop::load16(k));
+        for (int i = 1; i < ND; ++i)
+          s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + 16 * i), kvloop::load16(k + 16 * i), s);
+        sh[g * ld + t] = _mm512_reduce_add_ps(s);
+      }
+    }
+  }
+  float inv_sum[kMaxHeads];
+  for (int64_t j = 0; j < nh; ++j) {
+    float* s = sc + j * ld;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; t < L; ++t) m = std::max(m, s[t]);
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 vm = _mm512_set1_ps(m);
+    for (t = 0; t < L; t += 16) {
+      const __mmask16 live = t + 16 <= L ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
+      __m512 e = kvloop::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), vm));
+      e = _mm512_maskz_mov_ps(live, e);
+      _mm512_mask_storeu_ps(s + t, live, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t h = 0; h < h1 - h0; ++h) {
+    for (int64_t g0 = 0; g0 < G; g0 += GC) {
+      const int gc = static_cast<int>(std::min<int64_t>(GC, G - g0));
+      const float* p = sc + (h * G + g0) * ld;
+      __m512 acc[GC][ND];
+      for (int j = 0; j < GC; ++j)
+        for (int i = 0; i < ND; ++i) acc[j][i] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        if (h == 0 && g0 == 0 && t % block_size == 0) prefetch_block(v_base, t + block_size);
+        const T* v = slot(v_base, t, h);
+        __m512 vv[ND];
+        for (int i = 0; i < ND; ++i) vv[i] = kvloop::load16(v + 16 * i);
+        for (int j = 0; j < GC; ++j) {
+          if (j >= gc) break;
+          const __m512 w = _mm512_set1_ps(p[j * ld + t]);
+          for (int i = 0; i < ND; ++i) acc[j][i] = _mm512_fmadd_ps(w, vv[i], acc[j][i]);
+        }
+      }
+      for (int j = 0; j < gc; ++j) {
+        const int64_t head = h * G + g0 + j;
+        const __m512 inv = _mm512_set1_ps(inv_sum[head]);
+        for (int i = 0; i < ND; ++i)
+          kvloop::store16(out + head * D + 16 * i, _mm512_mul_ps(acc[j][i], inv));
+      }
+    }
+  }
+}
+
+template <typename T, int ND>
+void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64_t block_size,
+         const int64_t* table, int64_t table_stride, const int64_t* lens, int64_t B, int64_t H,
+         int64_t KV, float scale, T* out) {
+  constexpr int64_t D = ND * 16;
+  const int64_t G = H / KV;
+  const int64_t row = KV * D;  // elements per cache slot
+  const T* v_base = cache + num_blocks * block_size * row;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
+  // NOTE: whole sequences per task when there are enough of them (each slot's heads read
+  // together); one KV head per task otherwise, so that a lone sequence still uses every thread.
+  const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KV;
+  const int64_t heads_per_task = KV / split;
+  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads_per_task * G * D);
+    std::vector<float> sc(heads_per_task * G * (max_len + 16));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / split, h0 = (task % split) * heads_per_task;
+      attend<T, ND>(q + b * q_stride + h0 * G * D, cache, v_base, block_size, row,
+                    table + b * table_stride, lens[b], h0, h0 + heads_per_task, G, scale,
+                    qf.data(), sc.data(), out + b * H * D + h0 * G * D);
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
+              const torch::Tensor& lens, float scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KV = cache.size(3);
+  const auto* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const auto* cp = reinterpret_cast<const T*>(cache.data_ptr());
+  auto* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t nb = cache.size(1), bs = cache.size(2);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+#define KVLOOP_CASE(ND)                                                                \
+  case ND:                                                                             \
+    run<T, ND>(qp, q.stride(0), cp, nb, bs, tp, table.stride(0), lp, B, H, KV, scale, op); \
+    return;
+  switch (D / 16) {
+    KVLOOP_CASE(4)
+    KVLOOP_CASE(5)
+    KVLOOP_CASE(6)
+    KVLOOP_CASE(8)
+    KVLOOP_CASE(16)
+    default: TORCH_CHECK(false, "decode_attention: head size ", D, " not supported");
+  }
+#undef KVLOOP_CASE
+}
+
+}  // namespace
+
+void decode_attention(const torch::Tensor& q, const torch::Tensor& cache,
+                      const torch::Tensor& block_table, const torch::Tensor& context_lens,
+                      double scale, torch::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(2) % 16 == 0, "head size");
+  TORCH_CHECK(q.size(1) % cache.size(3) == 0 && q.size(1) <= kMaxHeads,
+              "query heads per KV head");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.stride(1) == 1 &&
+                  block_table.size(0) == q.size(0), "block_table");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0), "context_lens");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == q.numel(), "out");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "dtypes");
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch<uint16_t>(q, cache, block_table, context_lens, static_cast<float>(scale), out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bfloat16 or float32");
+    dispatch<float>(q, cache, block_table, context_lens, static_cast<float>(scale), out);
+  }
+}

@@ -1,0 +1,16 @@
+// kvloop's CPU kernels (AVX-512 with VNNI): declarations shared by the sources.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+// out[M, N] (+)= x[M, K] @ W.T (+ bias), W in 4 bits (see q4_linear.cpp for the layout).
+void q4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+               const torch::Tensor& mins, const std::optional<torch::Tensor>& bias,
+               torch::Tensor& out, bool accumulate);
+
+// Attention of one query token per sequence over its paged context, read in place.
+void decode_attention(const torch::Tensor& q, const torch::Tensor& cache,
+                      const torch::Tensor& block_table, const torch::Tensor& context_lens,
+                      double scale, torch::Tensor& out);
