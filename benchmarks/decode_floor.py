@@ -29,9 +29,10 @@ from kvloop.executor.torch.profiler import device_name
 from kvloop.sampling_params import SamplingParams
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm",
-            "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu"}
+            "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
+            "kvloop::q4_linear", "kvloop::q8_linear"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
-                 "aten::index_copy_"}
+                 "aten::index_copy_", "kvloop::decode_attention"}
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 64
@@ -135,9 +136,10 @@ def main() -> int:
     p.add_argument("--quantization", default=None, choices=["int4"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
-    p.add_argument("--attention", default="auto", choices=["auto", "gather", "flex"],
-                   help="paged attention path: gather the blocks (CPU default) or read them "
-                        "in place with FlexAttention (CUDA default)")
+    p.add_argument("--attention", default="auto", choices=["auto", "gather", "native", "flex"],
+                   help="paged attention path: decodes read in place by kvloop's CPU kernel "
+                        "(CPU default where it builds), gather the blocks, or read them in "
+                        "place with FlexAttention (CUDA default)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.attention == "flex" and args.device != "cuda":
@@ -147,8 +149,11 @@ def main() -> int:
         engine = _engine(args, batches)
     except ValueError as exc:
         p.error(str(exc))
+    if args.attention == "native" and not engine.executor.native_attention:
+        p.error("--attention native: kvloop's CPU kernels do not run here (see the log)")
     if args.attention != "auto":
         engine.executor.flex_attention = args.attention == "flex"
+        engine.executor.native_attention = args.attention == "native"
     nbytes = engine.executor.model.streamed_bytes
     device = engine.executor.device
     bandwidth = read_bandwidth(device)
@@ -156,7 +161,9 @@ def main() -> int:
     dtype = str(engine.executor.dtype).removeprefix("torch.")
     if args.quantization:
         dtype += f", {args.quantization} weights"
-    path = "flex, in place" if engine.executor.flex_attention else "gather"
+    path = ("flex, in place" if engine.executor.flex_attention else
+            "decodes in place (kvloop's kernel)" if engine.executor.native_attention
+            else "gather")
     print(f"# {device_name(device)}; {args.model} ({dtype}, attention: {path}): weights "
           f"read per step {nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
           f"{floor * 1000:.1f} ms per step")

@@ -299,8 +299,8 @@ def paged_attention(q: Tensor, cache: Tensor, meta: AttentionMetadata, scale: fl
         qg = q[g.row_start : g.row_end]
         if g.context_lens is not None:
             out = q.new_empty(b, num_heads * head_dim)
-            native.kernels().decode_attention(qg, cache, g.blocks.view(b, -1), g.context_lens,
-                                              scale, out)
+            native.call("decode_attention", qg, cache, g.blocks.view(b, -1), g.context_lens,
+                        scale, out)
             parts.append(out)
             continue
         k, v = _gather(cache, g.blocks, b)

@@ -23,8 +23,8 @@ bandwidth. Three layouts:
   GGUF (Q4_1) dequantised at conversion is re-quantised here onto its own grid: every Q4_1
   group holds its min (code 0) and its max (code 15), so min/max recover its scale and
   offset (exactly with kvloop's kernel; up to the bfloat16 rounding of torch's scales).
-  The LM head is not quantised
-  (llama.cpp's 4-bit files keep it at 8 bits or more; the default model's is Q8_0).
+  The LM head is stored at 8 bits (:class:`Int8Linear`, where kvloop's kernel runs), as
+  llama.cpp's 4-bit files keep it (the default model's is Q8_0, found again exactly).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ INT4_GROUP = 32
 """Input elements sharing one int4 scale and zero (llama.cpp's Q4_0/Q4_1 block)."""
 QUANTIZATIONS = ("int4",)
 """Accepted values of ``quantization`` (None: weights in the activation dtype)."""
+HEAD_QUANTIZATION = {"int4": "int8"}
+"""How each ``quantization`` stores the LM head: at 8 bits, as llama.cpp's 4-bit files do
+(where kvloop's int8 kernel runs; in the activation dtype elsewhere)."""
 
 
 class DenseLinear:
@@ -120,8 +123,9 @@ class Int4Linear:
         q = codes.to(torch.int32).view(out_features, in_features)
         self.in_features, self.out_features = in_features, out_features
         self.bias = bias
-        self._kernels = native.kernels() if out_features % native.Q4_TILE == 0 else None
-        if self._kernels is not None:
+        self.native = out_features % native.TILE == 0 and native.kernels() is not None
+        """Whether kvloop's kernel multiplies this matrix (else torch's)."""
+        if self.native:
             self.packed, self.scales, self.lows = native.pack_q4(q, scale, low)
             # NOTE: the kernel adds a float32 bias before its one rounding to the output.
             self._bias32 = None if bias is None else bias.float().contiguous()
@@ -133,15 +137,15 @@ class Int4Linear:
 
     @property
     def tensors(self) -> list[Tensor]:
-        if self._kernels is not None:
+        if self.native:
             return [t for t in (self.packed, self.scales, self.lows, self.bias) if t is not None]
         return [t for t in (self.packed, self.scale_zeros, self.bias) if t is not None]
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self._kernels is not None:
+        if self.native:
             out = x.new_empty(x.shape[0], self.out_features)
-            self._kernels.q4_linear(x.contiguous(), self.packed, self.scales, self.lows,
-                                    self._bias32, out, False)
+            native.call("q4_linear", x.contiguous(), self.packed, self.scales, self.lows,
+                        self._bias32, out, False)
             return out
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed,
                                                        INT4_GROUP, self.scale_zeros)
@@ -149,14 +153,50 @@ class Int4Linear:
 
     def add_to_(self, out: Tensor, x: Tensor) -> None:
         """``out += x @ W.T (+ b)`` in place (one rounding with kvloop's kernel)."""
-        if self._kernels is not None and out.is_contiguous():
-            self._kernels.q4_linear(x.contiguous(), self.packed, self.scales, self.lows,
-                                    self._bias32, out, True)
+        if self.native and out.is_contiguous():
+            native.call("q4_linear", x.contiguous(), self.packed, self.scales, self.lows,
+                        self._bias32, out, True)
         else:
             out.add_(self(x))
 
 
-Linear = DenseLinear | PackedLinear | Int4Linear
+class Int8Linear:
+    """Weight-only int8 ``x @ W.T``, ``W[o, i] ~ scale[o, g] * q[o, i]``, ``g = i // 32``,
+    ``q`` in -127..127 (llama.cpp's Q8_0, the LM head of its 4-bit files), through kvloop's
+    own kernel (``native.q8_linear``, activations quantised per 32 to int8). CPU only, where
+    the kernel runs (:func:`make_linear` falls back to the dense layouts elsewhere)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        if native.kernels() is None:
+            raise RuntimeError("Int8Linear needs kvloop's CPU kernels (native.kernels())")
+        self.packed, self.scales, self.corr = native.pack_q8(weight)
+        self.bias = bias
+        self._bias32 = None if bias is None else bias.float().contiguous()
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.packed, self.scales, self.corr, self.bias) if t is not None]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        out = x.new_empty(x.shape[0], self.out_features)
+        native.call("q8_linear", x.contiguous(), self.packed, self.scales, self.corr,
+                    self._bias32, out, False)
+        return out
+
+    def add_to_(self, out: Tensor, x: Tensor) -> None:
+        out.add_(self(x))
+
+
+def int8_runs(weight: Tensor) -> bool:
+    """Whether :class:`Int8Linear` serves ``weight`` here (CPU, sizes its kernel tiles, the
+    kernels built)."""
+    out_features, in_features = weight.shape
+    return (weight.device.type == "cpu" and out_features % native.TILE == 0
+            and in_features % INT4_GROUP == 0 and native.kernels() is not None)
+
+
+Linear = DenseLinear | PackedLinear | Int4Linear | Int8Linear
 """One layer matrix in whichever layout :func:`make_linear` chose."""
 
 
@@ -191,6 +231,10 @@ def make_linear(weight: Tensor, bias: Tensor | None, *, quantization: str | None
     in float32 to be quantised for activations of ``dtype``) on this machine."""
     if quantization == "int4":
         return Int4Linear(weight, bias, dtype or torch.bfloat16)
+    if quantization == "int8" and int8_runs(weight):
+        return Int8Linear(weight, bias)
+    if quantization == "int8":  # NOTE: without kvloop's kernel, the head stays dense
+        weight = weight.to(dtype or weight.dtype)
     if packable(weight):
         try:
             return PackedLinear(weight, bias)

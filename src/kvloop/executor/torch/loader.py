@@ -128,11 +128,10 @@ def load_model(
     cls = get_model_class(config.architecture)
     ckpt = SafetensorsCheckpoint(path)
 
-    def get(name: str) -> Tensor:
-        # NOTE: matrices to quantise load in float32, so that a 4-bit checkpoint's grid
-        # (dequantised into float32 at conversion) is found again exactly.
-        quantised = quantization is not None and name.endswith("_proj.weight")
-        return ckpt.get(name).to(device=device, dtype=torch.float32 if quantised else dtype)
+    def get(name: str, exact: bool = False) -> Tensor:
+        # NOTE: matrices to quantise load in float32 (``exact``), so that a quantised
+        # checkpoint's grid (dequantised into float32 at conversion) is found again exactly.
+        return ckpt.get(name).to(device=device, dtype=torch.float32 if exact else dtype)
 
     try:
         model = cls.load_weights(config, get, ckpt.has, quantization)

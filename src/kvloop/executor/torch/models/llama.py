@@ -9,8 +9,9 @@ RMSNorm in float32 then cast back before the weight, cos/sin computed in float32
 NOTE: q/k/v and gate/up projections are fused into one matrix each (one matmul instead of
 three or two), and every layer matrix is stored in the layout its device multiplies fastest
 (``executor.torch.linear``: oneDNN-packed on CPU, int4, or dense ``[out, in]``).
-The LM head is one more such matrix, never quantised (on CPU a packed copy of a tied
-embedding; elsewhere it shares the embedding's storage).
+The LM head is one more such matrix (on CPU a packed copy of a tied embedding; elsewhere it
+shares the embedding's storage); under ``int4`` it is stored at 8 bits where kvloop's kernel
+runs (``linear.HEAD_QUANTIZATION``, as llama.cpp's 4-bit files keep it).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvloop.executor.torch import native
 from kvloop.executor.torch.attention import AttentionMetadata, paged_attention, write_kv
 from kvloop.executor.torch.flex import flex_paged_attention
-from kvloop.executor.torch.linear import Linear, make_linear
+from kvloop.executor.torch.linear import HEAD_QUANTIZATION, Linear, make_linear
 
 if TYPE_CHECKING:
     from kvloop.executor.torch.models import ModelConfig
@@ -104,22 +106,30 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
+        self.fused_ops = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                          and config.hidden_size % 16 == 0 and config.head_dim % 32 == 0
+                          and config.intermediate_size % 16 == 0
+                          and native.kernels() is not None)
+        """A layer's small ops run as kvloop's fused CPU kernels (``native``: RMSNorm, RoPE
+        with the KV write, SiLU·up), rounding where torch's ops round. bfloat16 only: float32
+        keeps torch's ops, the greedy-parity mode."""
 
     @classmethod
     def load_weights(
         cls,
         config: ModelConfig,
-        get: Callable[[str], Tensor],
+        get: Callable[..., Tensor],
         has: Callable[[str], bool],
         quantization: str | None = None,
     ) -> LlamaForCausalLM:
         """Build the model from transformers-named tensors: ``get(name)`` returns one on the
-        target device and dtype, ``has(name)`` says whether the checkpoint holds it;
-        ``quantization`` (None or ``int4``) is how layer matrices are stored."""
+        target device and dtype (``get(name, exact=True)``: in float32, to be quantised),
+        ``has(name)`` says whether the checkpoint holds it; ``quantization`` (None or
+        ``int4``) is how layer matrices are stored (and the LM head, ``HEAD_QUANTIZATION``)."""
 
         def linear(names: list[str], has_bias: bool) -> Linear:
             """The fused matrix of the weights ``names`` (and their bias if ``has_bias``)."""
-            weight = torch.cat([get(n) for n in names])
+            weight = torch.cat([get(n, exact=quantization is not None) for n in names])
             bias = None
             if has_bias:
                 bias = torch.cat([get(n.replace("weight", "bias")) for n in names])
@@ -141,13 +151,17 @@ class LlamaForCausalLM:
                     down=linear([mlp + "down_proj.weight"], config.mlp_bias),
                 )
             )
+        head_quantization = HEAD_QUANTIZATION.get(quantization) if quantization else None
         if has("lm_head.weight") and not config.tie_word_embeddings:
-            lm_head = get("lm_head.weight")
+            lm_head = get("lm_head.weight", exact=head_quantization is not None)
         elif config.tie_word_embeddings:
             lm_head = embed
+            if head_quantization is not None:
+                lm_head = get("model.embed_tokens.weight", exact=True)
         else:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
-        return cls(config, embed, layers, get("model.norm.weight"), make_linear(lm_head, None))
+        head = make_linear(lm_head, None, quantization=head_quantization, dtype=embed.dtype)
+        return cls(config, embed, layers, get("model.norm.weight"), head)
 
     @property
     def num_parameter_bytes(self) -> int:
@@ -201,6 +215,10 @@ class LlamaForCausalLM:
         slots = meta.slot_mapping
         attention = paged_attention if meta.flex_masks is None else flex_paged_attention
         x = F.embedding(input_ids, self.embed)
+        if self.fused_ops:
+            self._fused_layers(x, cos, sin, kv_layers, meta, attention)
+            x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
+            return self.lm_head(x).float()
         # NOTE: x is this step's own buffer: residual adds go into it in place (fused with
         # the output projections as addmm), and RoPE / SiLU·up work in place in their
         # matmul outputs. Fewer fresh buffers means fewer page faults on CPU.
@@ -219,6 +237,28 @@ class LlamaForCausalLM:
             layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         return self.lm_head(x).float()
+
+
+    def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_layers: list[Tensor],
+                      meta: AttentionMetadata, attention: Callable[..., Tensor]) -> None:
+        """``forward``'s layers with the small ops fused (``fused_ops``), updating ``x``."""
+        cfg = self.config
+        eps, num_tokens = cfg.rms_norm_eps, x.shape[0]
+        head_dim, num_heads, num_kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        cos, sin = cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim)
+        slots = meta.slot_mapping
+        # NOTE: one normed-input and one activation buffer serve every layer of the step.
+        h = torch.empty_like(x)
+        act = x.new_empty(num_tokens, cfg.intermediate_size)
+        for layer, cache in zip(self.layers, kv_layers, strict=True):
+            native.call("rms_norm", x, layer.input_norm, eps, h)
+            qkv = layer.qkv(h)
+            native.call("rope_write_kv", qkv, cos, sin, cache, slots, num_heads, num_kv)
+            q = qkv[:, : self._q_size].view(num_tokens, num_heads, head_dim)
+            layer.o.add_to_(x, attention(q, cache, meta, self.scale))
+            native.call("rms_norm", x, layer.post_norm, eps, h)
+            native.call("silu_mul", layer.gate_up(h), act)
+            layer.down.add_to_(x, act)
 
 
 def _nbytes(tensors: list[Tensor]) -> int:

@@ -6,6 +6,8 @@ time on beyond the stock GEMMs (``docs/benchmarks.md``, issue 15), so kvloop shi
 - ``q4_linear``: 4-bit weights (groups of 32, a float32 scale and offset each: llama.cpp's
   Q4_1) times activations quantised per group of 32 to int8 (llama.cpp's Q8_1), with
   ``vpdpbusd``; ``linear.Int4Linear`` uses it.
+- ``q8_linear``: the same with 8-bit weights (llama.cpp's Q8_0), for the LM head under
+  ``--quantization int4`` (``linear.Int8Linear``).
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
   uses it for decode groups.
@@ -36,7 +38,8 @@ REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx5
 """CPU features (``/proc/cpuinfo`` names) the kernels are compiled for."""
 _CFLAGS = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
            "-mavx512vnni"]
-_SOURCES = ("module.cpp", "q4_linear.cpp", "decode_attention.cpp")
+_SOURCES = ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "decode_attention.cpp",
+            "layer_ops.cpp")
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes ``decode_attention`` reads."""
 
@@ -95,6 +98,19 @@ def kernels() -> ModuleType | None:
         return None
 
 
+def call(name: str, *args: object) -> None:
+    """Run kernel ``name`` of :func:`kernels` (which must have built) on ``args``; under
+    torch's profiler it shows as an op named ``kvloop::<name>``."""
+    fn = getattr(kernels(), name)
+    # NOTE: a pybind call is invisible to the profiler (it would count as host time); the
+    # range is opened only while a profiler runs, as it costs a few µs per call.
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(f"kvloop::{name}"):
+            fn(*args)
+    else:
+        fn(*args)
+
+
 def _ninja_on_path() -> None:
     """Put the ``ninja`` package's binary on PATH: torch's builder runs ``ninja`` from PATH,
     which lacks the venv's ``bin`` when its Python is called without activating it."""
@@ -116,8 +132,9 @@ def attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
             and kernels() is not None)
 
 
-Q4_TILE = 16
-"""Outputs per ``q4_linear`` tile: a matrix's output count must be a multiple of it."""
+TILE = 16
+"""Outputs per tile of ``q4_linear`` and ``q8_linear``: a matrix's output count must be a
+multiple of it."""
 
 
 def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -126,13 +143,32 @@ def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, 
     Returns the packed bytes ``[N/16, K/32, 256]`` and float32 scales and offsets ``[N/16,
     K/32, 16]``."""
     n, k = codes.shape
-    tiles, groups = n // Q4_TILE, k // 32
+    tiles, groups = n // TILE, k // 32
     # (tile, row, group, chunk, high nibble?, byte) -> (tile, group, chunk, row, byte, nibble)
-    c = codes.to(torch.uint8).view(tiles, Q4_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    c = codes.to(torch.uint8).view(tiles, TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     c = c.contiguous()
     packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+    return packed, _per_tile(scale.float()), _per_tile(low.float())
 
-    def per_tile(t: Tensor) -> Tensor:
-        return t.float().view(tiles, Q4_TILE, groups).transpose(1, 2).contiguous()
 
-    return packed, per_tile(scale), per_tile(low)
+def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q8_linear``'s layout (``q8_linear.cpp``) of ``weight`` ``[N, K]`` quantised per
+    group of 32 inputs to int8 with a float32 scale (llama.cpp's Q8_0: ``amax / 127``, which
+    recovers a Q8_0 file's values exactly). Returns the packed bytes ``[N/16, K/32, 512]``,
+    the scales and the offset corrections ``128 * sum(w)`` ``[N/16, K/32, 16]``."""
+    n, k = weight.shape
+    tiles, groups = n // TILE, k // 32
+    g = weight.detach().float().view(n, groups, 32)
+    scale = g.abs().amax(-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    # (tile, row, group, chunk, byte) -> (tile, group, chunk, row, byte)
+    packed = codes.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    corr = 128 * codes.sum(-1, dtype=torch.int32)
+    return packed, _per_tile(scale), _per_tile(corr)
+
+
+def _per_tile(t: Tensor) -> Tensor:
+    """A per-(output, group) tensor ``[N, K/32]`` as ``[N/16, K/32, 16]``."""
+    n, groups = t.shape
+    return t.view(n // TILE, TILE, groups).transpose(1, 2).contiguous()

@@ -102,7 +102,7 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
     const __m512 vm = _mm512_set1_ps(m);
     for (t = 0; t < L; t += 16) {
       const __mmask16 live = t + 16 <= L ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
-      __m512 e = kvloop::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), vm));
+      __m512 e = kvloop::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), vm));
       e = _mm512_maskz_mov_ps(live, e);
       _mm512_mask_storeu_ps(s + t, live, e);
       sum = _mm512_add_ps(sum, e);
@@ -199,10 +199,22 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& cache,
   TORCH_CHECK(cache.size(4) == q.size(2) && q.size(2) % 16 == 0, "head size");
   TORCH_CHECK(q.size(1) % cache.size(3) == 0 && q.size(1) <= kMaxHeads,
               "query heads per KV head");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.stride(1) == 1 &&
-                  block_table.size(0) == q.size(0), "block_table");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1 && block_table.size(0) == q.size(0), "block_table");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
                   context_lens.numel() == q.size(0), "context_lens");
+  // NOTE: every slot the kernel will read must exist: a bad table would read out of bounds.
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t bs = cache.size(2), nb = cache.size(1);
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_table.size(1) * bs,
+                "decode_attention: context length ", lens[b], " outside the block table");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j) {
+      const int64_t id = table[b * block_table.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < nb, "decode_attention: block id ", id, " out of range");
+    }
+  }
   TORCH_CHECK(out.is_contiguous() && out.numel() == q.numel(), "out");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "dtypes");

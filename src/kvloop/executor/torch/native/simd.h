@@ -26,14 +26,21 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// v rounded to T's precision and back (identity for float32): torch's rounding between ops.
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const uint16_t*) {
+  __m256i b = to_bf16(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max); relative error ~2e-7.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// exp(x) with x clamped to [-87, 88] (softmax, SiLU); relative error ~2e-7.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);

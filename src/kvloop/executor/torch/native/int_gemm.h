@@ -1,0 +1,87 @@
+// What kvloop's integer GEMMs share: activation rows quantised per group of 32 to int8
+// (llama.cpp's Q8_1), and the loop over 16-output tiles that stores their results.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace kvloop {
+
+constexpr int kGroup = 32;  // input elements sharing one scale
+constexpr int kTile = 16;   // outputs of one tile (one 16-lane vector)
+constexpr int kRows = 4;    // activation rows sharing one pass over a tile's weights
+
+// x[m, k] ~ s[m, g] * a[m, k], g = k / 32, a in -127..127 (stored + 128 as unsigned bytes
+// with ``offset``, for vpdpbusd's unsigned operand); ssum = s * sum of the group's a.
+struct QuantRows {
+  std::vector<int8_t> a;   // [M][K]
+  std::vector<float> s;    // [M][G] scale of each group
+  std::vector<float> ssum; // [M][G] s * sum of the group's codes
+};
+
+template <typename T>
+inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
+  const int64_t G = K / kGroup;
+  QuantRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = x + m * K + g * kGroup;
+      __m512 lo = kvloop::load16(src), hi = kvloop::load16(src + 16);
+      __m512 amax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+      float mx = _mm512_reduce_max_ps(amax);
+      float s = mx / 127.0f;
+      float inv = mx > 0 ? 127.0f / mx : 0.0f;
+      __m512 vinv = _mm512_set1_ps(inv);
+      __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));  // round to nearest even
+      __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+      int8_t* dst = q.a.data() + m * K + g * kGroup;
+      __m128i bl = _mm512_cvtsepi32_epi8(ql), bh = _mm512_cvtsepi32_epi8(qh);
+      if (offset) {  // NOTE: code + 128 as unsigned bytes (two's complement: flip the top bit)
+        bl = _mm_xor_si128(bl, _mm_set1_epi8(static_cast<char>(0x80)));
+        bh = _mm_xor_si128(bh, _mm_set1_epi8(static_cast<char>(0x80)));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bl);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), bh);
+      int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+      q.s[m * G + g] = s;
+      q.ssum[m * G + g] = s * static_cast<float>(sum);
+    }
+  }
+  return q;
+}
+
+// out[M, N] (+)= the tiles' results (+ bias, float32 [N] or null), rounded once to T.
+// ``tiles.rows<R>(t, m0, acc)`` computes outputs [16 t, 16 t + 16) of rows [m0, m0 + R).
+template <typename T, typename Tiles>
+void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64_t N,
+                 bool accumulate) {
+  // NOTE: a grain of 4 tiles (64 outputs) still splits the smallest matrices over threads.
+  at::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
+    __m512 acc[kRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const __m512 b = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m0);
+        switch (rows) {
+          case 4: tiles.template rows<4>(t, m0, acc); break;
+          case 3: tiles.template rows<3>(t, m0, acc); break;
+          case 2: tiles.template rows<2>(t, m0, acc); break;
+          default: tiles.template rows<1>(t, m0, acc); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          T* o = out + (m0 + r) * N + t * kTile;
+          __m512 y = _mm512_add_ps(acc[r], b);
+          if (accumulate) y = _mm512_add_ps(y, load16(o));
+          store16(o, y);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kvloop

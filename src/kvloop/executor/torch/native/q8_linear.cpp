@@ -1,0 +1,92 @@
+// 8-bit weights times 8-bit activations with AVX-512 VNNI (llama.cpp's Q8_0 x Q8_0 scheme).
+//
+// W[n, k] = d[n, g] * w[n, k], w in -127..127, g = k / 32, and x[k] ~ s[g] * a[k] per group
+// of 32. vpdpbusd multiplies unsigned by signed bytes, so the activations enter as a + 128:
+//   sum_k w a = sum_k w (a + 128) - 128 sum_k w,
+// the last term precomputed per output and group (``corr``).
+//
+// Packed layout (built by kvloop.executor.torch.native.pack_q8): [N/16][K/32][512] bytes.
+// For 16 outputs and one group, chunk c (64 bytes, c = 0..7) holds at byte 4 * n + j the
+// weight of k = 4c + j. Scales d are float32 and corr int32, both [N/16][K/32][16].
+#include "int_gemm.h"
+#include "kernels.h"
+
+namespace {
+
+using kvloop::kGroup;
+using kvloop::kTile;
+using kvloop::QuantRows;
+
+struct Q8Tiles {
+  const int8_t* packed;
+  const float* scales;
+  const int32_t* corr;
+  const QuantRows& q;
+  int64_t K, G;
+
+  template <int R>
+  void rows(int64_t t, int64_t m0, __m512* acc) const {
+    const int8_t* w = packed + t * G * 512;
+    const float* d = scales + t * G * kTile;
+    const int32_t* cr = corr + t * G * kTile;
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i wv[8];
+      for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + g * 512 + 64 * c);
+      const __m512 dv = _mm512_loadu_ps(d + g * kTile);
+      const __m512i cv = _mm512_loadu_si512(cr + g * kTile);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const int32_t* a4 = reinterpret_cast<const int32_t*>(q.a.data() + m * K + g * kGroup);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(a4[c]), wv[c]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(a4[c + 1]), wv[c + 1]);
+        }
+        __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), cv));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(q.s[m * G + g])), acc[r]);
+      }
+    }
+  }
+};
+
+template <typename T>
+void run(const T* x, const int8_t* packed, const float* scales, const int32_t* corr,
+         const float* bias, T* out, int64_t M, int64_t K, int64_t N, bool accumulate) {
+  const QuantRows q = kvloop::quantize_rows(x, M, K, true);
+  const Q8Tiles tiles{packed, scales, corr, q, K, K / kGroup};
+  kvloop::store_tiles(tiles, bias, out, M, N, accumulate);
+}
+
+}  // namespace
+
+void q8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+               const torch::Tensor& corr, const std::optional<torch::Tensor>& bias,
+               torch::Tensor& out, bool accumulate) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "q8_linear: layout");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(K % kGroup == 0 && N % kTile == 0 && out.size(0) == M, "q8_linear: shapes");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.numel() == N * K &&
+                  scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
+                  corr.scalar_type() == at::kInt && corr.numel() == N * K / kGroup,
+              "q8_linear: W");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && corr.is_contiguous(),
+              "q8_linear: W must be contiguous");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "q8_linear: dtypes");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
+                    bias->is_contiguous(), "q8_linear: bias");
+    b = bias->data_ptr<float>();
+  }
+  const auto* w = packed.data_ptr<int8_t>();
+  const float* d = scales.data_ptr<float>();
+  const int32_t* cr = corr.data_ptr<int32_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    run(reinterpret_cast<const uint16_t*>(x.data_ptr()), w, d, cr, b,
+        reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, accumulate);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "q8_linear: x must be bfloat16 or float32");
+    run(x.data_ptr<float>(), w, d, cr, b, out.data_ptr<float>(), M, K, N, accumulate);
+  }
+}
