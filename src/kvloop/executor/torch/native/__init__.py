@@ -128,7 +128,7 @@ def attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
     """Whether ``decode_attention`` serves a model of this shape and dtype on ``device``
     (building the kernels if needed)."""
     return (device.type == "cpu" and dtype in ATTENTION_DTYPES and head_dim % 16 == 0
-            and head_dim // 16 in (4, 5, 6, 8, 16) and num_heads <= 256
+            and head_dim // 16 in (*range(1, 9), 16) and num_heads <= 256
             and kernels() is not None)
 
 

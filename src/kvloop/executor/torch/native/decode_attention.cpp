@@ -164,8 +164,8 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
 }
 
 template <typename T>
-void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& table,
-              const torch::Tensor& lens, float scale, torch::Tensor& out) {
+void dispatch(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
+              const at::Tensor& lens, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = cache.size(3);
   const auto* qp = reinterpret_cast<const T*>(q.data_ptr());
@@ -179,9 +179,13 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const torch::T
     run<T, ND>(qp, q.stride(0), cp, nb, bs, tp, table.stride(0), lp, B, H, KV, scale, op); \
     return;
   switch (D / 16) {
+    KVLOOP_CASE(1)
+    KVLOOP_CASE(2)
+    KVLOOP_CASE(3)
     KVLOOP_CASE(4)
     KVLOOP_CASE(5)
     KVLOOP_CASE(6)
+    KVLOOP_CASE(7)
     KVLOOP_CASE(8)
     KVLOOP_CASE(16)
     default: TORCH_CHECK(false, "decode_attention: head size ", D, " not supported");
@@ -191,9 +195,9 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& cache, const torch::T
 
 }  // namespace
 
-void decode_attention(const torch::Tensor& q, const torch::Tensor& cache,
-                      const torch::Tensor& block_table, const torch::Tensor& context_lens,
-                      double scale, torch::Tensor& out) {
+void decode_attention(const at::Tensor& q, const at::Tensor& cache,
+                      const at::Tensor& block_table, const at::Tensor& context_lens,
+                      double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
   TORCH_CHECK(cache.size(4) == q.size(2) && q.size(2) % 16 == 0, "head size");

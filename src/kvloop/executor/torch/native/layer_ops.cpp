@@ -86,7 +86,7 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
 }
 
 template <typename F>
-void by_dtype(const torch::Tensor& t, F&& f) {
+void by_dtype(const at::Tensor& t, F&& f) {
   if (t.scalar_type() == at::kBFloat16) {
     f(static_cast<uint16_t*>(nullptr));
   } else {
@@ -96,12 +96,12 @@ void by_dtype(const torch::Tensor& t, F&& f) {
 }
 
 template <typename T>
-T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 }  // namespace
 
-void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-              torch::Tensor& out) {
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+              at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() &&
                   out.sizes() == x.sizes() && x.size(1) % 16 == 0, "rms_norm: shapes");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight");
@@ -114,8 +114,8 @@ void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
   });
 }
 
-void rope_write_kv(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                   torch::Tensor& cache, const torch::Tensor& slots, int64_t num_heads,
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor& cache, const at::Tensor& slots, int64_t num_heads,
                    int64_t num_kv_heads) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
   const int64_t D = cache.size(4), T = qkv.size(0);
@@ -139,7 +139,7 @@ void rope_write_kv(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Te
   });
 }
 
-void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
+void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() &&
                   gate_up.size(1) == 2 * out.size(1) && out.size(0) == gate_up.size(0) &&
                   out.size(1) % 16 == 0, "silu_mul: shapes");

@@ -1,4 +1,6 @@
 // Python bindings of kvloop's CPU kernels.
+#include <torch/extension.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

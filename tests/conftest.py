@@ -1,0 +1,19 @@
+"""Session set-up shared by every test folder."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels_built() -> None:
+    """Build kvloop's CPU kernels (``executor.torch.native``, about a minute on a clean
+    machine) before any test, so that no test's timeout (a server's start, a Ray replica)
+    pays for the compilation; a machine that cannot build them runs on torch's kernels."""
+    if importlib.util.find_spec("torch") is None:
+        return
+    from kvloop.executor.torch import native
+
+    native.kernels()
