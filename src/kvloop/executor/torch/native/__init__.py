@@ -147,7 +147,7 @@ def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, 
     # (tile, row, group, chunk, high nibble?, byte) -> (tile, group, chunk, row, byte, nibble)
     c = codes.to(torch.uint8).view(tiles, TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     c = c.contiguous()
-    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous()
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 256)
     return packed, _per_tile(scale.float()), _per_tile(low.float())
 
 
@@ -163,7 +163,8 @@ def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     # (tile, row, group, chunk, byte) -> (tile, group, chunk, row, byte)
-    packed = codes.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    packed = codes.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = packed.reshape(tiles, groups, 512)
     corr = 128 * codes.sum(-1, dtype=torch.int32)
     return packed, _per_tile(scale), _per_tile(corr)
 

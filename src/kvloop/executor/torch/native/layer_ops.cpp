@@ -118,6 +118,9 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
                    at::Tensor& cache, const at::Tensor& slots, int64_t num_heads,
                    int64_t num_kv_heads) {
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "rope_write_kv: head counts");
+  TORCH_CHECK(qkv.dim() == 2, "rope_write_kv: qkv must be [tokens, width]");
   const int64_t D = cache.size(4), T = qkv.size(0);
   TORCH_CHECK(cache.size(3) == num_kv_heads && D % 32 == 0, "rope_write_kv: head size");
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() &&
@@ -140,6 +143,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
 }
 
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 2, "silu_mul: shapes");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() &&
                   gate_up.size(1) == 2 * out.size(1) && out.size(0) == gate_up.size(0) &&
                   out.size(1) % 16 == 0, "silu_mul: shapes");

@@ -63,7 +63,8 @@ void run(const T* x, const int8_t* packed, const float* scales, const int32_t* c
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "q8_linear: layout");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
+              "q8_linear: layout");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(K % kGroup == 0 && N % kTile == 0 && out.size(0) == M, "q8_linear: shapes");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.numel() == N * K &&
