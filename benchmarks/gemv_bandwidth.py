@@ -9,8 +9,11 @@ against the read bandwidth of a plain sum over 1 GiB with the same threads:
 
 - ``bf16 packed``: ``PackedLinear`` (oneDNN, weights reordered once; kvloop's default);
 - ``int8 per-channel``: ``aten._weight_int8pack_mm`` (weight-only int8, one scale per row);
-- ``int4``: ``Int4Linear`` (``--quantization int4``; half a byte per weight plus a bfloat16
-  scale and zero per 32: 0.625 bytes per weight).
+- ``int4 (kvloop's kernel)``: ``Int4Linear`` (``--quantization int4``) where kvloop's own
+  kernel runs (``native.q4_linear``; half a byte per weight plus a float32 scale and offset
+  per 32: 0.75 bytes per weight);
+- ``int4 (torch's kernel)``: the same through ``_weight_int4pack_mm_for_cpu`` (a bfloat16
+  scale and zero per 32: 0.625 bytes per weight), as where kvloop's kernel cannot run.
 
 Printed per thread count: milliseconds per pass, the GB/s of weight bytes that implies, and
 that as a fraction of the sum's GB/s.
@@ -21,14 +24,16 @@ that as a fraction of the sum's GB/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from decode_floor import read_bandwidth
 
 from kvloop.engine.model_source import resolve_model
+from kvloop.executor.torch import native
 from kvloop.executor.torch.linear import INT4_GROUP, Int4Linear, PackedLinear
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.profiler import device_name
@@ -60,6 +65,17 @@ def pass_ms(calls: list[Callable[[], object]], repeats: int) -> float:
     return statistics.median(_timed(one) for _ in range(repeats)) * 1e3
 
 
+@contextlib.contextmanager
+def _torch_kernels_only() -> Iterator[None]:
+    """Layers built inside take torch's kernels, as where kvloop's own cannot run."""
+    saved = native.kernels
+    native.kernels = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.kernels = saved
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -86,9 +102,14 @@ def main() -> int:
                 int8.append(lambda q=q, s=s:
                             torch.ops.aten._weight_int8pack_mm(rows[q.shape[1]], q, s))
         layouts["int8 per-channel"] = (int8, 1.0)
-        int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
-        layouts["int4"] = ([lambda m=m: m(rows[m.in_features]) for m in int4],
-                           0.5 + 4 / INT4_GROUP)
+        if native.kernels() is not None:
+            int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
+            layouts["int4 (kvloop's kernel)"] = (
+                [lambda m=m: m(rows[m.in_features]) for m in int4], 0.5 + 8 / INT4_GROUP)
+        with _torch_kernels_only():
+            int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
+        layouts["int4 (torch's kernel)"] = ([lambda m=m: m(rows[m.in_features]) for m in int4],
+                                            0.5 + 4 / INT4_GROUP)
     elements = sum(n * k for n, k in shapes) * cfg.num_layers
     cpu = device_name(torch.device("cpu")).rsplit(", ", 1)[0]  # threads: per row below
     print(f"# {cpu}; {args.model}: {cfg.num_layers} layers, "

@@ -212,7 +212,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "native bfloat16 (AVX-512-BF16, AMX), else float32 (default: auto)")
     g.add_argument("--quantization", default=None, type=_quantization, metavar="none|int4",
                    help="int4: weight-only 4-bit layer matrices (groups of 32, as a Q4_1 "
-                   "GGUF; CPU, bfloat16) (default: none)")
+                   "GGUF) and an 8-bit LM head; CPU, bfloat16; kvloop's fastest CPU path "
+                   "where its AVX-512 VNNI kernels run (default: none)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--kv-cache-memory", type=positive_size, default=None, metavar="SIZE",
                    help=f"KV cache size on CPU (on CUDA too when given): {SIZE_HELP} "

@@ -19,8 +19,9 @@ class EngineArgs:
     """``float32``, ``bfloat16``, ``float16`` or ``auto`` (bfloat16 on CUDA and on CPUs with
     native bfloat16, AVX-512-BF16 or AMX; float32 on other CPUs)."""
     quantization: str | None = None
-    """``int4``: weight-only 4-bit layer matrices (groups of 32, as a Q4_1 GGUF), CPU with
-    bfloat16 activations; None: weights in ``dtype``."""
+    """``int4``: weight-only 4-bit layer matrices (groups of 32, as a Q4_1 GGUF) and an 8-bit
+    LM head (where kvloop's CPU kernels run), CPU with bfloat16 activations; None: weights
+    in ``dtype``."""
     device: str | None = None
     """``cpu``, ``cuda`` or ``cuda:N``; None picks CUDA when available."""
     seed: int = 0
