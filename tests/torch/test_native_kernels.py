@@ -1099,3 +1099,37 @@ def test_default_model_bf16_fused_ops_as_torchs(monkeypatch: pytest.MonkeyPatch)
     flat = caches[0].view(2, -1, *caches[0].shape[-2:])
     written = len(prompt) + decodes
     assert torch.equal(flat[:, :written], flat[:, 32 : 32 + written])
+
+
+# -- a non-finite value never becomes a finite answer ---------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("layer", ["int4", "int8"])
+def test_integer_gemms_propagate_non_finite_activations(layer: str, bad: float) -> None:
+    """A NaN or inf activation makes its row's outputs NaN (quantised naively it would
+    become a finite int8 code, and a failed step a plausible answer); other rows stay."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 96, generator=gen)
+    lin = Int4Linear(w, None, BF16) if layer == "int4" else Int8Linear(w, None)
+    x = torch.randn(3, 96, generator=gen).to(BF16)
+    x[1, 40] = bad
+    y = lin(x)
+    assert y[1].isnan().all()
+    assert y[0].isfinite().all() and y[2].isfinite().all()
+
+
+def test_decode_attention_and_silu_propagate_nan() -> None:
+    """A NaN in one sequence's keys makes that KV head's outputs NaN, nothing else; a NaN
+    gate gives a NaN activation."""
+    cache = torch.randn(2, 8, 16, 2, 64, generator=torch.Generator().manual_seed(6)).to(BF16)
+    cache[0, 3, 2, 0, 5] = float("nan")  # sequence 0, slot 18, KV head 0
+    meta, _ = build_metadata(starts=[30, 30], lengths=[1, 1], block_tables=[[2, 3], [4, 5]],
+                             num_decodes=2, block_size=16, device=torch.device("cpu"),
+                             dtype=BF16, native_decodes=True)
+    out = paged_attention(torch.randn(2, 4, 64).to(BF16), cache, meta, 0.125)
+    assert out[0, :128].isnan().all()  # query heads 0 and 1 read KV head 0
+    assert out[0, 128:].isfinite().all() and out[1].isfinite().all()
+    gate_up = torch.randn(2, 64).to(BF16)
+    gate_up[0, 3] = float("nan")
+    act = torch.empty(2, 32, dtype=BF16)
+    native.call("silu_mul", gate_up, act)
+    assert act[0, 3].isnan() and act[0].isnan().sum() == 1 and act[1].isfinite().all()

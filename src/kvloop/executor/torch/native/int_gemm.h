@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <vector>
 
@@ -34,8 +36,13 @@ inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
       __m512 lo = kvloop::load16(src), hi = kvloop::load16(src + 16);
       __m512 amax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
       float mx = _mm512_reduce_max_ps(amax);
+      // NOTE: a NaN or inf activation must poison the result, not become a finite code
+      // (max_ps may drop a NaN, and int conversion turns one into -128).
+      const __mmask16 bad = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) |
+                            _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+      if (bad || std::isinf(mx)) mx = std::numeric_limits<float>::quiet_NaN();
       float s = mx / 127.0f;
-      float inv = mx > 0 ? 127.0f / mx : 0.0f;
+      float inv = mx > 0 ? 127.0f / mx : 0.0f;  // NOTE: 0 for NaN: codes 0, scale NaN
       __m512 vinv = _mm512_set1_ps(inv);
       __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));  // round to nearest even
       __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
