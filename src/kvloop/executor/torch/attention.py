@@ -149,6 +149,8 @@ def build_metadata(
         table, starts_t, lens_t, first_tok.tolist(), ctx_l, block_size, dtype, masks
     )
     if native_decodes:
+        if device.type != "cpu":
+            raise ValueError(f"native_decodes reads the cache on CPU only (device {device})")
         groups = [build.native_decodes(num_decodes)] if num_decodes else []
     else:
         groups = [build.decodes(lo, hi) for lo, hi in _split(ctx_l, [1] * num_decodes, 0, 0)]

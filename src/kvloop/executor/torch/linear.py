@@ -104,7 +104,8 @@ def packable(weight: Tensor) -> bool:
 
 class Int4Linear:
     """Weight-only int4 ``x @ W.T (+ b)``: ``W[o, i] ~ scale[o, g] * q[o, i] + low[o, g]``
-    with ``g = i // 32`` and ``q`` in 0..15 (module docstring). ``x`` must be bfloat16.
+    with ``g = i // 32`` and ``q`` in 0..15 (module docstring). ``x`` is bfloat16 (torch's
+    kernel needs it; kvloop's also takes float32).
 
     Through kvloop's own kernel where it runs (``native.q4_linear``: float32 scales and
     offsets, activations quantised per group of 32 to int8, as llama.cpp multiplies Q4_1),

@@ -28,7 +28,7 @@ from torch import Tensor
 from kvloop.executor.torch import native
 from kvloop.executor.torch.attention import AttentionMetadata, paged_attention, write_kv
 from kvloop.executor.torch.flex import flex_paged_attention
-from kvloop.executor.torch.linear import HEAD_QUANTIZATION, Linear, make_linear
+from kvloop.executor.torch.linear import HEAD_QUANTIZATION, Linear, int8_runs, make_linear
 
 if TYPE_CHECKING:
     from kvloop.executor.torch.models import ModelConfig
@@ -152,6 +152,8 @@ class LlamaForCausalLM:
                 )
             )
         head_quantization = HEAD_QUANTIZATION.get(quantization) if quantization else None
+        if head_quantization == "int8" and not int8_runs(embed):
+            head_quantization = None  # NOTE: a tied head then shares the embedding's storage
         if has("lm_head.weight") and not config.tie_word_embeddings:
             lm_head = get("lm_head.weight", exact=head_quantization is not None)
         elif config.tie_word_embeddings:
@@ -237,7 +239,6 @@ class LlamaForCausalLM:
             layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         return self.lm_head(x).float()
-
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_layers: list[Tensor],
                       meta: AttentionMetadata, attention: Callable[..., Tensor]) -> None:

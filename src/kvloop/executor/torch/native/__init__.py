@@ -1,7 +1,7 @@
 """kvloop's own CPU kernels (C++, AVX-512 with VNNI), built on first use.
 
-torch's CPU build has no kernel for the two things a small-batch decode step spends its
-time on beyond the stock GEMMs (``docs/benchmarks.md``, issue 15), so kvloop ships them:
+torch's CPU build has no kernel for what a small-batch decode step spends its time on
+beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships its own:
 
 - ``q4_linear``: 4-bit weights (groups of 32, a float32 scale and offset each: llama.cpp's
   Q4_1) times activations quantised per group of 32 to int8 (llama.cpp's Q8_1), with
@@ -10,18 +10,23 @@ time on beyond the stock GEMMs (``docs/benchmarks.md``, issue 15), so kvloop shi
   ``--quantization int4`` (``linear.Int8Linear``).
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
-  uses it for decode groups.
+  uses it for decode groups (bfloat16 and float32).
+- ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
+  where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 only).
 
-The sources (``*.cpp`` beside this file) are compiled once per machine with
-``torch.utils.cpp_extension`` (about a minute on 2 cores) into
-``$KVLOOP_CACHE_DIR/native/``, and reused after. Where they cannot run — no AVX-512 VNNI,
-no C++ compiler, a failed build, or ``KVLOOP_NATIVE=0`` (for A/B measurements) —
-:func:`kernels` returns None and kvloop uses torch's kernels: same results up to rounding,
-slower.
+The sources (``*.cpp`` beside this file) are compiled once per machine and source version
+with ``torch.utils.cpp_extension`` (about a minute on 2 cores) into
+``$KVLOOP_CACHE_DIR/native/`` (``~/.cache/kvloop/native`` by default), and loaded from
+there after. Where they cannot run — no AVX-512 VNNI, no C++ compiler, a failed build, an
+unwritable cache, or ``KVLOOP_NATIVE=0`` (for A/B measurements) — :func:`kernels` returns
+None, logs why once, and kvloop uses torch's kernels: same results up to rounding, slower.
+The kernels release the GIL while they run.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -59,8 +64,8 @@ def cpu_flags() -> frozenset[str]:
 
 def unavailable_reason() -> str | None:
     """Why :func:`kernels` cannot build on this machine before trying (None: it may)."""
-    if os.environ.get("KVLOOP_NATIVE", "1") == "0":
-        return "KVLOOP_NATIVE=0"
+    if os.environ.get("KVLOOP_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"KVLOOP_NATIVE={os.environ['KVLOOP_NATIVE']}"
     if sys.platform != "linux":
         return f"platform {sys.platform}"
     missing = REQUIRED_FLAGS - cpu_flags()
@@ -77,25 +82,55 @@ def kernels() -> ModuleType | None:
     if reason is not None:
         log.info("kvloop's CPU kernels are off (%s): using torch's", reason)
         return None
-    from torch.utils.cpp_extension import load  # NOTE: slow import, only when building
+    try:
+        return _build_and_load()
+    except Exception as exc:  # NOTE: any failure (compiler, cache dir) falls back to torch's
+        log.warning("kvloop's CPU kernels are off (%s): using torch's", exc)
+        return None
+
+
+def _build_and_load() -> ModuleType:
+    """Compile the sources into this machine's cache (once per source version) and load them.
+
+    NOTE: the build directory is named by a hash of the sources and flags, so two checkouts
+    or versions never rebuild over each other. An ``flock`` (released by the OS even when a
+    process is killed) serialises builders; torch's own lock file, which a killed build
+    leaves behind and which torch would wait on forever, is removed under it. A failed build
+    leaves ``build-failed.txt`` so that later processes do not retry it for a minute each."""
+    from torch.utils.cpp_extension import load  # NOTE: slow import, only when needed
 
     from kvloop.engine.model_source import cache_dir
 
     here = Path(__file__).parent
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for name in sorted(p.name for p in here.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(name.encode() + (here / name).read_bytes())
+    version = f"{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{version}-{digest.hexdigest()[:12]}"
     build = cache_dir() / "native" / tag
     build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("*.so")):
-        print("kvloop: compiling its CPU kernels (once per machine, about a minute)...",
-              file=sys.stderr, flush=True)
-    _ninja_on_path()
-    try:
-        return load(name="kvloop_native", sources=[str(here / s) for s in _SOURCES],
-                    extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build), verbose=False)
-    except Exception as exc:  # NOTE: any build failure falls back to torch's kernels
-        log.warning("kvloop's CPU kernels did not build (%s): using torch's", exc)
-        return None
+    failed = build / "build-failed.txt"
+    if failed.exists():
+        raise RuntimeError(f"their build failed before (see {failed}; delete it to retry)")
+    with open(build / "kvloop.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("kvloop: waiting for another process compiling its CPU kernels...",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        if not any(build.glob("*.so")):
+            print("kvloop: compiling its CPU kernels (once per machine, about a minute)...",
+                  file=sys.stderr, flush=True)
+        _ninja_on_path()
+        try:
+            return load(name="kvloop_native", sources=[str(here / s) for s in _SOURCES],
+                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                        build_directory=str(build), verbose=False)
+        except Exception as exc:
+            failed.write_text(f"{type(exc).__name__}: {exc}\n")
+            raise
 
 
 def call(name: str, *args: object) -> None:

@@ -1,9 +1,10 @@
 // Attention of decode tokens over their paged KV, reading the cache blocks in place.
 //
-// One query token per sequence. Each sequence (or, with fewer sequences than twice the threads,
-// each (sequence, KV head)) is one task: its query heads walk the block table once for K
-// (scores in float32), take a softmax, then walk it once for V. Nothing is gathered into a contiguous copy. Float32 arithmetic for
-// float32 and bfloat16 caches alike; the output is rounded once to the cache's dtype.
+// One query token per sequence. Each sequence (or, with fewer sequences than twice the
+// threads, each (sequence, KV head)) is one task: its query heads walk the block table once
+// for K (scores in float32), take a softmax, then walk it once for V. Nothing is gathered
+// into a contiguous copy. Float32 arithmetic for float32 and bfloat16 caches alike; the
+// output is rounded once to the cache's dtype.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,10 +14,8 @@
 #include "simd.h"
 
 namespace {
-constexpr int kMaxHeads = 256;  // query heads of one task
-}  // namespace
 
-namespace {
+constexpr int kMaxHeads = 256;  // query heads of one task
 
 // Software prefetch of the bytes [p, p + n) into L1/L2 (a block's rows, ahead of their use).
 inline void prefetch(const void* p, int64_t n) {
@@ -198,10 +197,13 @@ void dispatch(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& ta
 void decode_attention(const at::Tensor& q, const at::Tensor& cache,
                       const at::Tensor& block_table, const at::Tensor& context_lens,
                       double scale, at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu() && block_table.device().is_cpu() &&
+                  context_lens.device().is_cpu() && out.device().is_cpu(),
+              "decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
   TORCH_CHECK(cache.size(4) == q.size(2) && q.size(2) % 16 == 0, "head size");
-  TORCH_CHECK(q.size(1) % cache.size(3) == 0 && q.size(1) <= kMaxHeads,
+  TORCH_CHECK(cache.size(3) > 0 && q.size(1) % cache.size(3) == 0 && q.size(1) <= kMaxHeads,
               "query heads per KV head");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
                   block_table.stride(1) == 1 && block_table.size(0) == q.size(0), "block_table");

@@ -3,11 +3,13 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "simd.h"
@@ -89,6 +91,23 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
       }
     }
   });
+}
+
+// 4 bytes of ``p`` broadcast to every 32-bit lane (memcpy: no aliasing of int8 as int32).
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// Checks shared by the integer GEMMs' entry points.
+inline void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
+              name, ": layout");
+  TORCH_CHECK(x.size(1) % kGroup == 0 && out.size(1) % kTile == 0 && out.size(0) == x.size(0),
+              name, ": shapes");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), name, ": dtypes");
 }
 
 }  // namespace kvloop

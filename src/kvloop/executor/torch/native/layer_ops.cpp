@@ -102,6 +102,8 @@ T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
               at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && out.device().is_cpu(),
+              "rms_norm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() &&
                   out.sizes() == x.sizes() && x.size(1) % 16 == 0, "rms_norm: shapes");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight");
@@ -117,6 +119,9 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                    at::Tensor& cache, const at::Tensor& slots, int64_t num_heads,
                    int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu() &&
+                  cache.device().is_cpu() && slots.device().is_cpu(),
+              "rope_write_kv: CPU tensors only");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "rope_write_kv: head counts");
@@ -143,6 +148,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
 }
 
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
+  TORCH_CHECK(gate_up.device().is_cpu() && out.device().is_cpu(), "silu_mul: CPU tensors only");
   TORCH_CHECK(out.dim() == 2, "silu_mul: shapes");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() &&
                   gate_up.size(1) == 2 * out.size(1) && out.size(0) == gate_up.size(0) &&

@@ -3,20 +3,24 @@
 
 #include "kernels.h"
 
+// NOTE: the kernels touch only tensor memory: they release the GIL, so that the server's
+// event loop (another thread) keeps serving while a long step runs.
+static const auto kFree = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "out (+)= x @ W.T (+ bias), W in 4 bits",
+  m.def("q4_linear", &q4_linear, "out (+)= x @ W.T (+ bias), W in 4 bits", kFree,
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
         py::arg("out"), py::arg("accumulate"));
-  m.def("q8_linear", &q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits",
+  m.def("q8_linear", &q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits", kFree,
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("corr"), py::arg("bias"),
         py::arg("out"), py::arg("accumulate"));
   m.def("decode_attention", &decode_attention, "one-token attention over paged KV in place",
-        py::arg("q"), py::arg("cache"), py::arg("block_table"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("out"));
-  m.def("rms_norm", &rms_norm, "transformers' RMSNorm, fused", py::arg("x"), py::arg("weight"),
-        py::arg("eps"), py::arg("out"));
+        kFree, py::arg("q"), py::arg("cache"), py::arg("block_table"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("out"));
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm, fused", kFree, py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("out"));
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, k and v into the cache",
-        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("cache"), py::arg("slots"),
-        py::arg("num_heads"), py::arg("num_kv_heads"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"), py::arg("out"));
+        kFree, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("cache"),
+        py::arg("slots"), py::arg("num_heads"), py::arg("num_kv_heads"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", kFree, py::arg("gate_up"), py::arg("out"));
 }

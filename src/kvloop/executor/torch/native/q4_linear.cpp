@@ -44,11 +44,11 @@ struct Q4Tiles {
       const __m512 mv = _mm512_loadu_ps(mn + g * kTile);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const int32_t* a4 = reinterpret_cast<const int32_t*>(q.a.data() + m * K + g * kGroup);
+        const int8_t* a = q.a.data() + m * K + g * kGroup;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
-          s0 = _mm512_dpbusd_epi32(s0, wl[c], _mm512_set1_epi32(a4[2 * c]));
-          s1 = _mm512_dpbusd_epi32(s1, wh[c], _mm512_set1_epi32(a4[2 * c + 1]));
+          s0 = _mm512_dpbusd_epi32(s0, wl[c], kvloop::broadcast4(a + 8 * c));
+          s1 = _mm512_dpbusd_epi32(s1, wh[c], kvloop::broadcast4(a + 8 * c + 4));
         }
         __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(q.s[m * G + g])), acc[r]);
@@ -71,21 +71,20 @@ void run(const T* x, const uint8_t* packed, const float* scales, const float* mi
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
-              "q4_linear: layout");
+  kvloop::check_gemm("q4_linear", x, out);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(K % kGroup == 0 && N % kTile == 0 && out.size(0) == M, "q4_linear: shapes");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == N * K / 2 &&
                   scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
                   mins.scalar_type() == at::kFloat && mins.numel() == N * K / kGroup,
               "q4_linear: W");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(),
-              "q4_linear: W must be contiguous");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "q4_linear: dtypes");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous() &&
+                  packed.device().is_cpu() && scales.device().is_cpu() &&
+                  mins.device().is_cpu(),
+              "q4_linear: W must be contiguous CPU tensors");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
-                    bias->is_contiguous(), "q4_linear: bias");
+                    bias->is_contiguous() && bias->device().is_cpu(), "q4_linear: bias");
     b = bias->data_ptr<float>();
   }
   const auto* w = packed.data_ptr<uint8_t>();

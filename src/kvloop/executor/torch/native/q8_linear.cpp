@@ -37,11 +37,11 @@ struct Q8Tiles {
       const __m512i cv = _mm512_loadu_si512(cr + g * kTile);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const int32_t* a4 = reinterpret_cast<const int32_t*>(q.a.data() + m * K + g * kGroup);
+        const int8_t* a = q.a.data() + m * K + g * kGroup;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(a4[c]), wv[c]);
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(a4[c + 1]), wv[c + 1]);
+          s0 = _mm512_dpbusd_epi32(s0, kvloop::broadcast4(a + 4 * c), wv[c]);
+          s1 = _mm512_dpbusd_epi32(s1, kvloop::broadcast4(a + 4 * c + 4), wv[c + 1]);
         }
         __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), cv));
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(q.s[m * G + g])), acc[r]);
@@ -63,21 +63,20 @@ void run(const T* x, const int8_t* packed, const float* scales, const int32_t* c
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
-              "q8_linear: layout");
+  kvloop::check_gemm("q8_linear", x, out);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(K % kGroup == 0 && N % kTile == 0 && out.size(0) == M, "q8_linear: shapes");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.numel() == N * K &&
                   scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
                   corr.scalar_type() == at::kInt && corr.numel() == N * K / kGroup,
               "q8_linear: W");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && corr.is_contiguous(),
-              "q8_linear: W must be contiguous");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "q8_linear: dtypes");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && corr.is_contiguous() &&
+                  packed.device().is_cpu() && scales.device().is_cpu() &&
+                  corr.device().is_cpu(),
+              "q8_linear: W must be contiguous CPU tensors");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
-                    bias->is_contiguous(), "q8_linear: bias");
+                    bias->is_contiguous() && bias->device().is_cpu(), "q8_linear: bias");
     b = bias->data_ptr<float>();
   }
   const auto* w = packed.data_ptr<int8_t>();
