@@ -1,0 +1,92 @@
+"""How kvloop's CPU kernels are built, loaded and run next to other threads
+(``executor.torch.native``): a cache that cannot be written or a stale lock left by a killed
+build never stops kvloop, ``KVLOOP_NATIVE=0`` turns them off, and a kernel call lets other
+Python threads run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvloop.executor.torch import native  # noqa: E402
+from kvloop.executor.torch.linear import Int4Linear  # noqa: E402
+
+KERNELS = native.kernels()
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason=f"kvloop's CPU kernels do not run here: "
+    f"{native.unavailable_reason() or 'their build failed'}")
+
+LOAD = ("import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from kvloop.executor.torch import native\nprint('LOADED', native.kernels() is not None)\n")
+
+
+def _python(env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", LOAD], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_an_unwritable_cache_falls_back_to_torch_kernels(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    proc = _python({"KVLOOP_CACHE_DIR": str(blocked / "cache")})
+    assert proc.returncode == 0, proc.stderr[-800:]
+    assert "LOADED False" in proc.stdout
+    assert "kvloop's CPU kernels are off" in proc.stdout + proc.stderr
+
+
+def test_kvloop_native_0_turns_them_off() -> None:
+    proc = _python({"KVLOOP_NATIVE": "off"})
+    assert "LOADED False" in proc.stdout and "KVLOOP_NATIVE=off" in proc.stdout, proc.stdout
+
+
+def test_a_stale_build_lock_does_not_hang_the_next_process() -> None:
+    """torch's build lock, left behind by a build killed mid-way, is removed under kvloop's
+    own flock (which the OS released with the killed process)."""
+    build = Path(KERNELS.__file__).parent
+    lock = build / "lock"
+    lock.write_text("")
+    try:
+        proc = _python({}, timeout=90)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-800:]
+
+
+def test_a_kernel_call_releases_the_gil() -> None:
+    """Another Python thread (the server's event loop) keeps running during a long call."""
+    gen = torch.Generator().manual_seed(0)
+    lin = Int4Linear(torch.randn(4096, 2048, generator=gen), None, torch.bfloat16)
+    assert lin.native
+    x = torch.randn(256, 2048, generator=gen).to(torch.bfloat16)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # NOTE: leaves the ticker a core on a 2-core machine
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        lin(x)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+        torch.set_num_threads(threads)
+    during = [t for t in ticks if start < t < end]
+    assert end - start > 0.02, "the call is too short to tell"
+    assert len(during) >= 5, (len(during), end - start)
