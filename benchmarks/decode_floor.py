@@ -160,7 +160,8 @@ def main() -> int:
     floor = nbytes / bandwidth
     dtype = str(engine.executor.dtype).removeprefix("torch.")
     if args.quantization:
-        dtype += f", {args.quantization} weights"
+        kernel = "kvloop's" if engine.executor.model.layers[0].qkv.native else "torch's"
+        dtype += f", {args.quantization} weights through {kernel} kernel"
     path = ("flex, in place" if engine.executor.flex_attention else
             "decodes in place (kvloop's kernel)" if engine.executor.native_attention
             else "gather")

@@ -65,7 +65,7 @@ def test_a_kernel_call_releases_the_gil() -> None:
     gen = torch.Generator().manual_seed(0)
     lin = Int4Linear(torch.randn(4096, 2048, generator=gen), None, torch.bfloat16)
     assert lin.native
-    x = torch.randn(256, 2048, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1024, 2048, generator=gen).to(torch.bfloat16)
     ticks: list[float] = []
     stop = threading.Event()
 
@@ -90,3 +90,27 @@ def test_a_kernel_call_releases_the_gil() -> None:
     during = [t for t in ticks if start < t < end]
     assert end - start > 0.02, "the call is too short to tell"
     assert len(during) >= 5, (len(during), end - start)
+
+
+def test_no_compiler_is_one_clear_line(tmp_path: Path) -> None:
+    """Without a C++ compiler the kernels are off after one line, with nothing compiled."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    proc = _python({"KVLOOP_CACHE_DIR": str(tmp_path / "cache"), "PATH": str(bin_dir),
+                    "CXX": "kvloop-no-such-compiler"})
+    assert "LOADED False" in proc.stdout, proc.stdout + proc.stderr[-800:]
+    assert "no C++ compiler (kvloop-no-such-compiler)" in proc.stdout
+    assert "compiling" not in proc.stderr
+
+
+def test_a_finished_build_loads_from_a_cache_it_cannot_write(tmp_path: Path) -> None:
+    """A read-only cache holding a finished build (simulated: the lock file cannot be
+    created) still loads it, rather than falling back."""
+    built = Path(KERNELS.__file__)
+    copy = tmp_path / "cache" / "native" / built.parent.name
+    copy.mkdir(parents=True)
+    (copy / built.name).write_bytes(built.read_bytes())
+    (copy / "kvloop.lock").mkdir()  # NOTE: open(..., "w") on it fails like a read-only dir
+    proc = _python({"KVLOOP_CACHE_DIR": str(tmp_path / "cache")})
+    assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-800:]

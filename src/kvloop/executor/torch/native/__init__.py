@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 import sys
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -80,12 +83,12 @@ def kernels() -> ModuleType | None:
     cannot run (module docstring), with the reason logged once."""
     reason = unavailable_reason()
     if reason is not None:
-        log.info("kvloop's CPU kernels are off (%s): using torch's", reason)
+        log.info("kvloop's CPU kernels are off (%s): using torch's kernels", reason)
         return None
     try:
         return _build_and_load()
     except Exception as exc:  # NOTE: any failure (compiler, cache dir) falls back to torch's
-        log.warning("kvloop's CPU kernels are off (%s): using torch's", exc)
+        log.warning("kvloop's CPU kernels are off (%s): using torch's kernels", exc)
         return None
 
 
@@ -108,11 +111,18 @@ def _build_and_load() -> ModuleType:
     version = f"{sys.version_info[0]}{sys.version_info[1]}"
     tag = f"torch{torch.__version__.replace('+', '_')}-py{version}-{digest.hexdigest()[:12]}"
     build = cache_dir() / "native" / tag
-    build.mkdir(parents=True, exist_ok=True)
+    built = build / "kvloop_native.so"
     failed = build / "build-failed.txt"
     if failed.exists():
         raise RuntimeError(f"their build failed before (see {failed}; delete it to retry)")
-    with open(build / "kvloop.lock", "w") as lock:
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        lock = open(build / "kvloop.lock", "w")  # noqa: SIM115 (held across the build)
+    except OSError:
+        if built.exists():  # NOTE: a read-only cache that holds a finished build
+            return _import(built)
+        raise
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -120,17 +130,37 @@ def _build_and_load() -> ModuleType:
                   file=sys.stderr, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
-        if not any(build.glob("*.so")):
-            print("kvloop: compiling its CPU kernels (once per machine, about a minute)...",
-                  file=sys.stderr, flush=True)
+        fresh = not built.exists()
+        if fresh:
+            compiler = os.environ.get("CXX", "c++")
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH to build them")
+            print(f"kvloop: compiling its CPU kernels into {build} (once per version, about a "
+                  "minute; KVLOOP_NATIVE=0 skips them)...", file=sys.stderr, flush=True)
         _ninja_on_path()
+        start = time.perf_counter()
         try:
-            return load(name="kvloop_native", sources=[str(here / s) for s in _SOURCES],
-                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                        build_directory=str(build), verbose=False)
+            module = load(name="kvloop_native", sources=[str(here / s) for s in _SOURCES],
+                          extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=str(build), verbose=False)
         except Exception as exc:
             failed.write_text(f"{type(exc).__name__}: {exc}\n")
-            raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(f"their build failed ({first}; the log is in {failed})") from exc
+        if fresh:
+            print(f"kvloop: compiled its CPU kernels in {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+        return module
+
+
+def _import(path: Path) -> ModuleType:
+    """The built kernels at ``path``, imported without touching their (read-only) folder."""
+    spec = importlib.util.spec_from_file_location("kvloop_native", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def call(name: str, *args: object) -> None:
