@@ -135,30 +135,41 @@ def test_q4_linear_is_exact_on_a_4bit_grid(m: int) -> None:
     w = grid_weight(n, k, seed=m)
     assert torch.equal(dequantise(w), w.double())
     gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, k, generator=gen)
-    # Row 0: multiples of 1/32 with a group max of 127/16, so x * 127 / max lands on halves:
-    # ties, which the kernel rounds to even.
-    halves = torch.randint(-254, 255, (k,), generator=gen) / 2
-    halves[::32] = 127.0
-    x[0] = halves / 16
-    x = x.to(BF16)
+    x = rows_with_ties(m, k, gen)
     bias = torch.randn(n, generator=gen).to(BF16)
     y = Int4Linear(w, bias, BF16)(x).double()
-    exact = quantise_rows(x) @ w.double().t() + bias.double()
-
-    def worst(ref: torch.Tensor) -> float:  # in bfloat16 steps (2^-8 relative) of ref
-        return float(((y - ref).abs() / (ref.abs() * 2**-8 + 1e-6)).max())
-
-    # Half a step of rounding at most (float32 sums add ~1e-6 relative), and mostly the very
-    # bfloat16 value nearest the exact one.
-    assert worst(exact) <= 1.01
-    assert float((y == exact.to(BF16).double()).double().mean()) >= 0.98
-    # Unquantised activations, or ties rounded away from zero, miss by more.
-    assert worst(x.double() @ w.double().t() + bias.double()) > 2
+    assert_exact_up_to_rounding(y, x, w, bias)
+    # Ties rounded away from zero miss by more.
     away = x.float().view(m, -1, 32)
     mx = away.abs().amax(-1, keepdim=True)
     away = torch.trunc(away * (127 / mx) + 0.5 * torch.sign(away)) * (mx / 127)
-    assert worst(away.double().view(m, k) @ w.double().t() + bias.double()) > 2
+    assert bf16_steps(y, away.double().view(m, k) @ w.double().t() + bias.double()) > 2
+
+
+def rows_with_ties(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[m, k] bfloat16 activations whose row 0 holds multiples of 1/32 with a group max of
+    127/16, so that x * 127 / max lands on halves: ties, which the kernels round to even."""
+    x = torch.randn(m, k, generator=gen)
+    halves = torch.randint(-254, 255, (k,), generator=gen) / 2
+    halves[::32] = 127.0
+    x[0] = halves / 16
+    return x.to(BF16)
+
+
+def bf16_steps(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest distance of ``y`` from ``ref``, in bfloat16 steps (2^-8 relative)."""
+    return float(((y - ref).abs() / (ref.abs() * 2**-8 + 1e-6)).max())
+
+
+def assert_exact_up_to_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                                bias: torch.Tensor) -> None:
+    """``y`` is the exact product of the int8-quantised ``x`` and the grid weight ``w``
+    rounded once to bfloat16 (half a step at most, float32 sums adding ~1e-6 relative; at
+    least 98 % the very nearest value), and unquantised activations miss it by more."""
+    exact = quantise_rows(x) @ w.double().t() + bias.double()
+    assert bf16_steps(y, exact) <= 1.01
+    assert float((y == exact.to(BF16).double()).double().mean()) >= 0.98
+    assert bf16_steps(y, x.double() @ w.double().t() + bias.double()) > 2
 
 
 # -- q8_linear ------------------------------------------------------------------------------
@@ -276,23 +287,12 @@ def test_q8_linear_is_exact_on_an_8bit_grid(m: int) -> None:
     n, k = 64, 192
     w, _, _ = q8_grid_weight(n, k, seed=10 + m)
     gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, k, generator=gen)
-    halves = torch.randint(-254, 255, (k,), generator=gen) / 2  # ties (q4 test above)
-    halves[::32] = 127.0
-    x[0] = halves / 16
-    x = x.to(BF16)
+    x = rows_with_ties(m, k, gen)
     bias = torch.randn(n, generator=gen).to(BF16)
     lin = Int8Linear(w, bias)
     y = lin(x).double()
-    exact = quantise_rows(x) @ w.double().t() + bias.double()
-
-    def worst(ref: torch.Tensor) -> float:  # in bfloat16 steps (2^-8 relative) of ref
-        return float(((y - ref).abs() / (ref.abs() * 2**-8 + 1e-6)).max())
-
-    assert worst(exact) <= 1.01
-    assert float((y == exact.to(BF16).double()).double().mean()) >= 0.98
-    assert worst(x.double() @ w.double().t() + bias.double()) > 2
-    assert worst(x.double() @ chunks_reversed(w).double().t() + bias.double()) > 2
+    assert_exact_up_to_rounding(y, x, w, bias)
+    assert bf16_steps(y, x.double() @ chunks_reversed(w).double().t() + bias.double()) > 2
     # float32 activations and output: float32 sums of the exact integer dot products.
     x32 = x.float() + torch.randn(m, k, generator=gen) * 1e-3
     y32 = lin(x32).double()

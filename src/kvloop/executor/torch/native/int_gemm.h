@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "simd.h"
@@ -108,6 +109,27 @@ inline void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(x.size(1) % kGroup == 0 && out.size(1) % kTile == 0 && out.size(0) == x.size(0),
               name, ": shapes");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), name, ": dtypes");
+}
+
+// The bias's data (float32 [N], contiguous, CPU), or null without one.
+inline const float* bias_data(const char* name, const std::optional<at::Tensor>& bias,
+                              int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
+                  bias->is_contiguous() && bias->device().is_cpu(), name, ": bias");
+  return bias->data_ptr<float>();
+}
+
+// run(x, out) with their data typed by the activation dtype (bfloat16 as raw 16 bits).
+template <typename Run>
+void by_activation_dtype(const char* name, const at::Tensor& x, at::Tensor& out, Run&& run) {
+  if (x.scalar_type() == at::kBFloat16) {
+    run(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+        reinterpret_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be bfloat16 or float32");
+    run(x.data_ptr<float>(), out.data_ptr<float>());
+  }
 }
 
 }  // namespace kvloop

@@ -81,20 +81,11 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                   packed.device().is_cpu() && scales.device().is_cpu() &&
                   mins.device().is_cpu(),
               "q4_linear: W must be contiguous CPU tensors");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
-                    bias->is_contiguous() && bias->device().is_cpu(), "q4_linear: bias");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = kvloop::bias_data("q4_linear", bias, N);
   const auto* w = packed.data_ptr<uint8_t>();
   const float* d = scales.data_ptr<float>();
   const float* mn = mins.data_ptr<float>();
-  if (x.scalar_type() == at::kBFloat16) {
-    run(reinterpret_cast<const uint16_t*>(x.data_ptr()), w, d, mn, b,
-        reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, accumulate);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "q4_linear: x must be bfloat16 or float32");
-    run(x.data_ptr<float>(), w, d, mn, b, out.data_ptr<float>(), M, K, N, accumulate);
-  }
+  kvloop::by_activation_dtype("q4_linear", x, out, [&](const auto* xp, auto* op) {
+    run(xp, w, d, mn, b, op, M, K, N, accumulate);
+  });
 }

@@ -73,20 +73,11 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                   packed.device().is_cpu() && scales.device().is_cpu() &&
                   corr.device().is_cpu(),
               "q8_linear: W must be contiguous CPU tensors");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
-                    bias->is_contiguous() && bias->device().is_cpu(), "q8_linear: bias");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = kvloop::bias_data("q8_linear", bias, N);
   const auto* w = packed.data_ptr<int8_t>();
   const float* d = scales.data_ptr<float>();
   const int32_t* cr = corr.data_ptr<int32_t>();
-  if (x.scalar_type() == at::kBFloat16) {
-    run(reinterpret_cast<const uint16_t*>(x.data_ptr()), w, d, cr, b,
-        reinterpret_cast<uint16_t*>(out.data_ptr()), M, K, N, accumulate);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "q8_linear: x must be bfloat16 or float32");
-    run(x.data_ptr<float>(), w, d, cr, b, out.data_ptr<float>(), M, K, N, accumulate);
-  }
+  kvloop::by_activation_dtype("q8_linear", x, out, [&](const auto* xp, auto* op) {
+    run(xp, w, d, cr, b, op, M, K, N, accumulate);
+  });
 }
