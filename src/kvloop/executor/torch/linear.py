@@ -144,10 +144,8 @@ class Int4Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.native:
-            out = x.new_empty(x.shape[0], self.out_features)
-            native.call("q4_linear", x.contiguous(), self.packed, self.scales, self.lows,
-                        self._bias32, out, False)
-            return out
+            return _native_product("q4_linear", x, (self.packed, self.scales, self.lows),
+                                   self._bias32, x.new_empty(x.shape[0], self.out_features))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed,
                                                        INT4_GROUP, self.scale_zeros)
         return y if self.bias is None else y.add_(self.bias)
@@ -155,8 +153,8 @@ class Int4Linear:
     def add_to_(self, out: Tensor, x: Tensor) -> None:
         """``out += x @ W.T (+ b)`` in place (one rounding with kvloop's kernel)."""
         if self.native and out.is_contiguous():
-            native.call("q4_linear", x.contiguous(), self.packed, self.scales, self.lows,
-                        self._bias32, out, True)
+            _native_product("q4_linear", x, (self.packed, self.scales, self.lows),
+                            self._bias32, out, accumulate=True)
         else:
             out.add_(self(x))
 
@@ -180,13 +178,19 @@ class Int8Linear:
         return [t for t in (self.packed, self.scales, self.corr, self.bias) if t is not None]
 
     def __call__(self, x: Tensor) -> Tensor:
-        out = x.new_empty(x.shape[0], self.out_features)
-        native.call("q8_linear", x.contiguous(), self.packed, self.scales, self.corr,
-                    self._bias32, out, False)
-        return out
+        return _native_product("q8_linear", x, (self.packed, self.scales, self.corr),
+                               self._bias32, x.new_empty(x.shape[0], self.out_features))
 
     def add_to_(self, out: Tensor, x: Tensor) -> None:
         out.add_(self(x))
+
+
+def _native_product(kernel: str, x: Tensor, weights: tuple[Tensor, ...], bias: Tensor | None,
+                    out: Tensor, accumulate: bool = False) -> Tensor:
+    """``out (+)= x @ W.T (+ bias)`` through kvloop's integer kernel ``kernel`` (``q4_linear``
+    or ``q8_linear``) on its packed ``weights``; returns ``out``."""
+    native.call(kernel, x.contiguous(), *weights, bias, out, accumulate)
+    return out
 
 
 def int8_runs(weight: Tensor) -> bool:

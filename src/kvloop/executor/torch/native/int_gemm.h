@@ -132,4 +132,31 @@ void by_activation_dtype(const char* name, const at::Tensor& x, at::Tensor& out,
   }
 }
 
+// The body of an integer GEMM's entry point: checks x, out, the weights (``packed``, ``bits``
+// per weight, and two per-(output, group) tensors: float32 ``scales`` and ``extra``) and the
+// bias, quantises x's rows (``offset``: as unsigned bytes), then out (+)= the tiles of
+// ``make_tiles(rows, K)`` (+ bias).
+template <typename MakeTiles>
+void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
+              at::ScalarType packed_type, int64_t bits, const at::Tensor& scales,
+              const at::Tensor& extra, at::ScalarType extra_type,
+              const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
+              bool offset, MakeTiles&& make_tiles) {
+  check_gemm(name, x, out);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(packed.scalar_type() == packed_type && packed.numel() == N * K * bits / 8 &&
+                  scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
+                  extra.scalar_type() == extra_type && extra.numel() == N * K / kGroup,
+              name, ": W");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && extra.is_contiguous() &&
+                  packed.device().is_cpu() && scales.device().is_cpu() &&
+                  extra.device().is_cpu(),
+              name, ": W must be contiguous CPU tensors");
+  const float* b = bias_data(name, bias, N);
+  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
+    const QuantRows rows = quantize_rows(xp, M, K, offset);
+    store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);
+  });
+}
+
 }  // namespace kvloop

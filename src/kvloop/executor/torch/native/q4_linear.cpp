@@ -58,34 +58,14 @@ struct Q4Tiles {
   }
 };
 
-template <typename T>
-void run(const T* x, const uint8_t* packed, const float* scales, const float* mins,
-         const float* bias, T* out, int64_t M, int64_t K, int64_t N, bool accumulate) {
-  const QuantRows q = kvloop::quantize_rows(x, M, K, false);
-  const Q4Tiles tiles{packed, scales, mins, q, K, K / kGroup};
-  kvloop::store_tiles(tiles, bias, out, M, N, accumulate);
-}
-
 }  // namespace
 
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  kvloop::check_gemm("q4_linear", x, out);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == N * K / 2 &&
-                  scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
-                  mins.scalar_type() == at::kFloat && mins.numel() == N * K / kGroup,
-              "q4_linear: W");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous() &&
-                  packed.device().is_cpu() && scales.device().is_cpu() &&
-                  mins.device().is_cpu(),
-              "q4_linear: W must be contiguous CPU tensors");
-  const float* b = kvloop::bias_data("q4_linear", bias, N);
-  const auto* w = packed.data_ptr<uint8_t>();
-  const float* d = scales.data_ptr<float>();
-  const float* mn = mins.data_ptr<float>();
-  kvloop::by_activation_dtype("q4_linear", x, out, [&](const auto* xp, auto* op) {
-    run(xp, w, d, mn, b, op, M, K, N, accumulate);
-  });
+  kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4, scales, mins, at::kFloat, bias, out,
+                   accumulate, false, [&](const QuantRows& rows, int64_t K) {
+                     return Q4Tiles{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                    mins.data_ptr<float>(), rows, K, K / kGroup};
+                   });
 }

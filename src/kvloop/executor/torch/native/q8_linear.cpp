@@ -50,34 +50,14 @@ struct Q8Tiles {
   }
 };
 
-template <typename T>
-void run(const T* x, const int8_t* packed, const float* scales, const int32_t* corr,
-         const float* bias, T* out, int64_t M, int64_t K, int64_t N, bool accumulate) {
-  const QuantRows q = kvloop::quantize_rows(x, M, K, true);
-  const Q8Tiles tiles{packed, scales, corr, q, K, K / kGroup};
-  kvloop::store_tiles(tiles, bias, out, M, N, accumulate);
-}
-
 }  // namespace
 
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  kvloop::check_gemm("q8_linear", x, out);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.numel() == N * K &&
-                  scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
-                  corr.scalar_type() == at::kInt && corr.numel() == N * K / kGroup,
-              "q8_linear: W");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && corr.is_contiguous() &&
-                  packed.device().is_cpu() && scales.device().is_cpu() &&
-                  corr.device().is_cpu(),
-              "q8_linear: W must be contiguous CPU tensors");
-  const float* b = kvloop::bias_data("q8_linear", bias, N);
-  const auto* w = packed.data_ptr<int8_t>();
-  const float* d = scales.data_ptr<float>();
-  const int32_t* cr = corr.data_ptr<int32_t>();
-  kvloop::by_activation_dtype("q8_linear", x, out, [&](const auto* xp, auto* op) {
-    run(xp, w, d, cr, b, op, M, K, N, accumulate);
-  });
+  kvloop::int_gemm("q8_linear", x, packed, at::kChar, 8, scales, corr, at::kInt, bias, out,
+                   accumulate, true, [&](const QuantRows& rows, int64_t K) {
+                     return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                    corr.data_ptr<int32_t>(), rows, K, K / kGroup};
+                   });
 }
