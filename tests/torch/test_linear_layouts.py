@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import drive, make_runner  # noqa: E402
-
-from kvloop.executor.torch import loader  # noqa: E402
+from kvloop.executor.torch import loader, native  # noqa: E402
 from kvloop.executor.torch.linear import (  # noqa: E402
+    Bf16Linear,
     DenseLinear,
     Int4Linear,
     PackedLinear,
@@ -64,10 +64,13 @@ def test_packed_layout_equals_dense(rows: int, with_bias: bool, dtype: torch.dty
 def test_make_linear_picks_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(64, 32)
     assert isinstance(make_linear(w, None), PackedLinear)
-    bf16 = PackedLinear if BF16_PACKS else DenseLinear
+    bf16 = Bf16Linear if native.bf16_supported() else PackedLinear if BF16_PACKS else DenseLinear
     assert isinstance(make_linear(w.bfloat16(), None), bf16)
     assert isinstance(make_linear(w.half(), None), DenseLinear)
     assert isinstance(make_linear(w, None, quantization="int4"), Int4Linear)
+    # Without kvloop's bfloat16 kernel (tested in test_native_bf16), oneDNN's packed layout.
+    monkeypatch.setattr(native, "bf16_supported", lambda: False)
+    assert isinstance(make_linear(w.bfloat16(), None), PackedLinear if BF16_PACKS else DenseLinear)
     # A CPU whose oneDNN does not run bfloat16 (AVX2): dense, and still float32 packed.
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert isinstance(make_linear(w.bfloat16(), None), DenseLinear)

@@ -3,7 +3,7 @@
 A decoder layer computes ``x @ W.T (+ b)`` four times (fused QKV, O, fused gate/up, down),
 and the LM head once more per request. At decode batch sizes these products only stream
 their weights, and on CPU the stock kernels stream them well below the machine's read
-bandwidth. Three layouts:
+bandwidth. The layouts:
 
 - :class:`DenseLinear`: ``W`` as loaded, ``[out, in]``, one ``F.linear`` (CUDA; CPUs
   without oneDNN; float16 on CPU).
@@ -15,6 +15,13 @@ bandwidth. Three layouts:
   SmolLM2-135M, M=1 111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row LM head M=1 4.7 -> 2.1
   ms, M=32 11.0 -> 6.2 ms; float32 gate/up M=1 67 -> 68 µs, M=8 283 -> 155 µs, M=32 784 ->
   553 µs against the output-split ``bmm`` layout it replaced (``docs/benchmarks.md``).
+- :class:`Bf16Linear` (bfloat16 on CPUs with AVX-512 BF16, where kvloop's kernels run):
+  ``W`` in ``vdpbf16ps``'s pair order, multiplied by kvloop's own kernel
+  (``native.bf16_linear``), which streams the weights at the machine's read bandwidth where
+  oneDNN reaches about half of it at decode sizes. Measured on that VM, the 30 layers of
+  SmolLM2-135M with cold weights (``benchmarks/gemv_bandwidth.py``): M=1 6.0 vs oneDNN's
+  14.3 ms, M=8 10.4 vs 15.6 ms, M=32 and up within ±10% of oneDNN (both near the CPU's
+  ``vdpbf16ps`` peak).
 - :class:`Int4Linear` (``quantization="int4"``, CPU, bfloat16 activations): weight-only
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
   min/max, as llama.cpp's Q4_1), through kvloop's own AVX-512 VNNI kernel
@@ -102,6 +109,46 @@ def packable(weight: Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
+class Bf16Linear:
+    """bfloat16 ``x @ W.T (+ b)`` through kvloop's ``vdpbf16ps`` kernel (module docstring),
+    ``W`` copied once into its layout (``native.pack_bf16``; a tied LM head then holds its
+    weights twice, as with :class:`PackedLinear`). Products are exact in float32 and summed
+    in float32, then rounded once to bfloat16 (with the bias, and with ``out`` in
+    :meth:`add_to_`): the result is torch's up to the order of the float32 sums."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        if not bf16_runs(weight):
+            raise ValueError(f"Bf16Linear needs a bfloat16 CPU matrix of {native.TILE}k rows "
+                             f"and {INT4_GROUP}k columns where kvloop's bfloat16 kernel runs; "
+                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        self.packed = native.pack_bf16(weight)
+        self.bias = bias
+        self._bias32 = None if bias is None else bias.float().contiguous()
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.packed, self.bias) if t is not None]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _native_product("bf16_linear", x, (self.packed,), self._bias32,
+                               x.new_empty(x.shape[0], self.out_features))
+
+    def add_to_(self, out: Tensor, x: Tensor) -> None:
+        """``out += x @ W.T (+ b)`` in place (one rounding where ``out`` is contiguous)."""
+        if out.is_contiguous():
+            _native_product("bf16_linear", x, (self.packed,), self._bias32, out,
+                            accumulate=True)
+        else:
+            out.add_(self(x))
+
+
+def bf16_runs(weight: Tensor) -> bool:
+    """Whether :class:`Bf16Linear` serves ``weight`` here (a bfloat16 CPU matrix of sizes its
+    kernel tiles, on a CPU with AVX-512 BF16, the kernels built)."""
+    return weight.dtype == torch.bfloat16 and _tiles(weight) and native.bf16_supported()
+
+
 class Int4Linear:
     """Weight-only int4 ``x @ W.T (+ b)``: ``W[o, i] ~ scale[o, g] * q[o, i] + low[o, g]``
     with ``g = i // 32`` and ``q`` in 0..15 (module docstring). ``x`` is bfloat16 (torch's
@@ -187,8 +234,8 @@ class Int8Linear:
 
 def _native_product(kernel: str, x: Tensor, weights: tuple[Tensor, ...], bias: Tensor | None,
                     out: Tensor, accumulate: bool = False) -> Tensor:
-    """``out (+)= x @ W.T (+ bias)`` through kvloop's integer kernel ``kernel`` (``q4_linear``
-    or ``q8_linear``) on its packed ``weights``; returns ``out``."""
+    """``out (+)= x @ W.T (+ bias)`` through kvloop's kernel ``kernel`` (``q4_linear``,
+    ``q8_linear`` or ``bf16_linear``) on its packed ``weights``; returns ``out``."""
     native.call(kernel, x.contiguous(), *weights, bias, out, accumulate)
     return out
 
@@ -196,12 +243,17 @@ def _native_product(kernel: str, x: Tensor, weights: tuple[Tensor, ...], bias: T
 def int8_runs(weight: Tensor) -> bool:
     """Whether :class:`Int8Linear` serves ``weight`` here (CPU, sizes its kernel tiles, the
     kernels built)."""
+    return _tiles(weight) and native.kernels() is not None
+
+
+def _tiles(weight: Tensor) -> bool:
+    """Whether kvloop's GEMM kernels tile ``weight``: on CPU, ``[16k, 32j]``."""
     out_features, in_features = weight.shape
     return (weight.device.type == "cpu" and out_features % native.TILE == 0
-            and in_features % INT4_GROUP == 0 and native.kernels() is not None)
+            and in_features % INT4_GROUP == 0)
 
 
-Linear = DenseLinear | PackedLinear | Int4Linear | Int8Linear
+Linear = DenseLinear | PackedLinear | Bf16Linear | Int4Linear | Int8Linear
 """One layer matrix in whichever layout :func:`make_linear` chose."""
 
 
@@ -240,6 +292,8 @@ def make_linear(weight: Tensor, bias: Tensor | None, *, quantization: str | None
         return Int8Linear(weight, bias)
     if quantization == "int8":  # NOTE: without kvloop's kernel, the head stays dense
         weight = weight.to(dtype or weight.dtype)
+    if bf16_runs(weight):
+        return Bf16Linear(weight, bias)
     if packable(weight):
         try:
             return PackedLinear(weight, bias)

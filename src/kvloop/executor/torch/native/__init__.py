@@ -8,6 +8,8 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
   ``vpdpbusd``; ``linear.Int4Linear`` uses it.
 - ``q8_linear``: the same with 8-bit weights (llama.cpp's Q8_0), for the LM head under
   ``--quantization int4`` (``linear.Int8Linear``).
+- ``bf16_linear``: bfloat16 weights times bfloat16 activations with ``vdpbf16ps`` (CPUs with
+  AVX-512 BF16), for the decode-sized products of a bfloat16 model (``linear.Bf16Linear``).
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
   uses it for decode groups (bfloat16 and float32).
@@ -46,8 +48,8 @@ REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx5
 """CPU features (``/proc/cpuinfo`` names) the kernels are compiled for."""
 _CFLAGS = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
            "-mavx512vnni"]
-_SOURCES = ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "decode_attention.cpp",
-            "layer_ops.cpp")
+_SOURCES = ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp",
+            "decode_attention.cpp", "layer_ops.cpp")
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes ``decode_attention`` reads."""
 
@@ -232,6 +234,20 @@ def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     packed = packed.reshape(tiles, groups, 512)
     corr = 128 * codes.sum(-1, dtype=torch.int32)
     return packed, _per_tile(scale), _per_tile(corr)
+
+
+def bf16_supported() -> bool:
+    """Whether ``bf16_linear`` runs here: the kernels built and the CPU has AVX-512 BF16
+    (``vdpbf16ps``; CPUs with VNNI but without it run the other kernels)."""
+    return "avx512_bf16" in cpu_flags() and kernels() is not None
+
+
+def pack_bf16(weight: Tensor) -> Tensor:
+    """``bf16_linear``'s layout (``bf16_linear.cpp``) of ``weight`` ``[N, K]``:
+    ``[N/16, K/2, 16, 2]`` bfloat16 (a copy)."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.bfloat16).view(n // TILE, TILE, k // 2, 2)
+    return w.permute(0, 2, 1, 3).contiguous()
 
 
 def _per_tile(t: Tensor) -> Tensor:

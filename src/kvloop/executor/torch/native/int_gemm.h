@@ -66,28 +66,45 @@ inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
 }
 
 // out[M, N] (+)= the tiles' results (+ bias, float32 [N] or null), rounded once to T.
-// ``tiles.rows<R>(t, m0, acc)`` computes outputs [16 t, 16 t + 16) of rows [m0, m0 + R).
+// ``tiles.rows<R, W>(t, m0, acc)`` computes outputs [16 t, 16 (t + W)) of rows [m0, m0 + R)
+// into acc[W * r + w]; ``Tiles::kWidth`` (1 or 2) is the most tiles one call computes.
 template <typename T, typename Tiles>
 void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64_t N,
                  bool accumulate) {
+  constexpr int W = Tiles::kWidth;
+  const int64_t tiles_n = N / kTile;
   // NOTE: a grain of 4 tiles (64 outputs) still splits the smallest matrices over threads.
-  at::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
-    __m512 acc[kRows];
-    for (int64_t t = begin; t < end; ++t) {
-      const __m512 b = bias ? _mm512_loadu_ps(bias + t * kTile) : _mm512_setzero_ps();
+  at::parallel_for(0, (tiles_n + W - 1) / W, 4 / W, [&](int64_t begin, int64_t end) {
+    __m512 acc[kRows * W];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i * W;
+      const int width = static_cast<int>(std::min<int64_t>(W, tiles_n - t));
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, M - m0);
-        switch (rows) {
-          case 4: tiles.template rows<4>(t, m0, acc); break;
-          case 3: tiles.template rows<3>(t, m0, acc); break;
-          case 2: tiles.template rows<2>(t, m0, acc); break;
-          default: tiles.template rows<1>(t, m0, acc); break;
+        if (width == W) {
+          switch (rows) {
+            case 4: tiles.template rows<4, W>(t, m0, acc); break;
+            case 3: tiles.template rows<3, W>(t, m0, acc); break;
+            case 2: tiles.template rows<2, W>(t, m0, acc); break;
+            default: tiles.template rows<1, W>(t, m0, acc); break;
+          }
+        } else {  // NOTE: the last, odd tile of a 2-wide pass
+          switch (rows) {
+            case 4: tiles.template rows<4, 1>(t, m0, acc); break;
+            case 3: tiles.template rows<3, 1>(t, m0, acc); break;
+            case 2: tiles.template rows<2, 1>(t, m0, acc); break;
+            default: tiles.template rows<1, 1>(t, m0, acc); break;
+          }
         }
         for (int64_t r = 0; r < rows; ++r) {
-          T* o = out + (m0 + r) * N + t * kTile;
-          __m512 y = _mm512_add_ps(acc[r], b);
-          if (accumulate) y = _mm512_add_ps(y, load16(o));
-          store16(o, y);
+          for (int w = 0; w < width; ++w) {
+            const int64_t n0 = (t + w) * kTile;
+            T* o = out + (m0 + r) * N + n0;
+            __m512 y = acc[width * r + w];
+            if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0));
+            if (accumulate) y = _mm512_add_ps(y, load16(o));
+            store16(o, y);
+          }
         }
       }
     }

@@ -16,6 +16,10 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate);
 
+// The same with W and x in bfloat16 (see bf16_linear.cpp; needs AVX-512 BF16).
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
+
 // A decoder layer's small ops, fused (see layer_ops.cpp).
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,

@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits", kFree,
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("corr"), py::arg("bias"),
         py::arg("out"), py::arg("accumulate"));
+  m.def("bf16_linear", &bf16_linear, "out (+)= x @ W.T (+ bias), W and x in bfloat16", kFree,
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));
   m.def("decode_attention", &decode_attention, "one-token attention over paged KV in place",
         kFree, py::arg("q"), py::arg("cache"), py::arg("block_table"),
         py::arg("context_lens"), py::arg("scale"), py::arg("out"));

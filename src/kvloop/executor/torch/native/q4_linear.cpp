@@ -25,7 +25,9 @@ struct Q4Tiles {
   const QuantRows& q;
   int64_t K, G;
 
-  template <int R>
+  static constexpr int kWidth = 1;
+
+  template <int R, int W>
   void rows(int64_t t, int64_t m0, __m512* acc) const {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const uint8_t* w = packed + t * G * 256;

@@ -24,7 +24,9 @@ struct Q8Tiles {
   const QuantRows& q;
   int64_t K, G;
 
-  template <int R>
+  static constexpr int kWidth = 1;
+
+  template <int R, int W>
   void rows(int64_t t, int64_t m0, __m512* acc) const {
     const int8_t* w = packed + t * G * 512;
     const float* d = scales + t * G * kTile;

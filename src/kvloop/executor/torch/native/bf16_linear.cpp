@@ -1,0 +1,80 @@
+// bfloat16 weights times bfloat16 activations with AVX-512 BF16 (vdpbf16ps), float32 sums.
+//
+// Packed layout (built by kvloop.executor.torch.native.pack_bf16): [N/16][K/2][16][2]. For 16
+// outputs and one pair of inputs p, 64 bytes hold W[n, 2p] and W[n, 2p + 1] at 16-bit lanes
+// 2n and 2n + 1: vdpbf16ps's operand order, so that one load and one instruction do 32
+// multiply-adds against x[m, 2p], x[m, 2p + 1] broadcast as one 32-bit value.
+//
+// NOTE: vdpbf16ps ignores MXCSR: it reads bfloat16 subnormals as zero and rounds to nearest
+// even. Products of two bfloat16 values are exact in float32; only the order of the float32
+// sums differs from oneDNN's, so outputs agree with torch's to the last bfloat16 step.
+#include <cstring>
+
+#include "int_gemm.h"
+#include "kernels.h"
+
+namespace {
+
+using kvloop::kTile;
+
+struct Bf16Tiles {
+  const uint16_t* packed;
+  const uint16_t* x;
+  int64_t K;
+
+  static constexpr int kWidth = 2;  // tiles per pass: 2 weight loads feed 2 R products
+
+  // NOTE: only this function needs AVX-512 BF16 (checked by the caller, as the CPUs with
+  // VNNI but without BF16 run the other kernels); a target attribute keeps the rest of the
+  // build free of it.
+  template <int R, int W>
+  __attribute__((target("avx512bf16"))) void rows(int64_t t, int64_t m0, __m512* acc) const {
+    if constexpr (R == 1 && W == 2) {  // NOTE: one row streams one tile at a time (faster)
+      rows<1, 1>(t, m0, acc);
+      rows<1, 1>(t + 1, m0, acc + 1);
+      return;
+    }
+    // NOTE: independent sums per output vector, to cover vdpbf16ps's latency.
+    constexpr int U = R * W >= 4 ? 1 : 4 / (R * W);
+    const uint16_t* w = packed + t * K * kTile;
+    const int64_t P = K / 2;
+    __m512 part[U][R * W];
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < R * W; ++i) part[u][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; p += U) {  // NOTE: K % 32 == 0 (check_gemm), so U divides P
+      for (int u = 0; u < U; ++u) {
+        __m512bh wv[W];
+        for (int j = 0; j < W; ++j)
+          wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K * kTile + (p + u) * 2 * kTile);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + (m0 + r) * K + 2 * (p + u), sizeof pair);
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          for (int j = 0; j < W; ++j)
+            part[u][W * r + j] = _mm512_dpbf16_ps(part[u][W * r + j], wv[j], xv);
+        }
+      }
+    }
+    for (int i = 0; i < R * W; ++i) {
+      __m512 s = part[0][i];
+      for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, part[u][i]);
+      acc[i] = s;
+    }
+  }
+};
+
+}  // namespace
+
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+  kvloop::check_gemm("bf16_linear", x, out);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == N * K &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "bf16_linear: W");
+  const float* b = kvloop::bias_data("bf16_linear", bias, N);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  kvloop::store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K},
+                      b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
+}
