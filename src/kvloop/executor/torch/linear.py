@@ -130,6 +130,12 @@ class Bf16Linear:
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.packed, self.bias) if t is not None]
 
+    @property
+    def native_operands(self) -> tuple[str, list[Tensor], Tensor | None]:
+        """(kernel, weight tensors, float32 bias) of this matrix in kvloop's kernels (what
+        ``native.DecodeLayers`` multiplies)."""
+        return "bf16_linear", [self.packed], self._bias32
+
     def __call__(self, x: Tensor) -> Tensor:
         return _native_product("bf16_linear", x, (self.packed,), self._bias32,
                                x.new_empty(x.shape[0], self.out_features))
@@ -188,6 +194,13 @@ class Int4Linear:
         if self.native:
             return [t for t in (self.packed, self.scales, self.lows, self.bias) if t is not None]
         return [t for t in (self.packed, self.scale_zeros, self.bias) if t is not None]
+
+    @property
+    def native_operands(self) -> tuple[str, list[Tensor], Tensor | None] | None:
+        """As :attr:`Bf16Linear.native_operands` (None on torch's kernel)."""
+        if not self.native:
+            return None
+        return "q4_linear", [self.packed, self.scales, self.lows], self._bias32
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.native:

@@ -113,6 +113,22 @@ class LlamaForCausalLM:
         """A layer's small ops run as kvloop's fused CPU kernels (``native``: RMSNorm, RoPE
         with the KV write, SiLU·up), rounding where torch's ops round. bfloat16 only: float32
         keeps torch's ops, the greedy-parity mode."""
+        self.decode_layers = self._decode_layers() if self.fused_ops else None
+        """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
+        decodes only, read in place, then runs all layers in one call (the same kernels as
+        :meth:`_fused_layers`, without Python between them)."""
+
+    def _decode_layers(self) -> object | None:
+        cfg, norms, matrices = self.config, [], []
+        for layer in self.layers:
+            norms += [layer.input_norm, layer.post_norm]
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                operands = getattr(lin, "native_operands", None)
+                if operands is None:
+                    return None
+                matrices.append(operands)
+        return native.decode_layers(norms, matrices, cfg.num_heads, cfg.num_kv_heads,
+                                    cfg.head_dim, cfg.intermediate_size)
 
     @classmethod
     def load_weights(
@@ -217,6 +233,16 @@ class LlamaForCausalLM:
         slots = meta.slot_mapping
         attention = paged_attention if meta.flex_masks is None else flex_paged_attention
         x = F.embedding(input_ids, self.embed)
+        group = meta.groups[0] if len(meta.groups) == 1 else None
+        if (self.decode_layers is not None and group is not None and group.context_lens
+                is not None and group.num_seqs == num_tokens and meta.flex_masks is None):
+            # NOTE: every token a decode of its own sequence, one group read in place.
+            self.decode_layers.run(x, cos.view(num_tokens, head_dim),
+                                   sin.view(num_tokens, head_dim), kv_layers, slots,
+                                   group.blocks.view(num_tokens, -1), group.context_lens,
+                                   eps, self.scale)
+            x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
+            return self.lm_head(x).float()
         if self.fused_ops:
             self._fused_layers(x, cos, sin, kv_layers, meta, attention)
             x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)

@@ -49,7 +49,7 @@ REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx5
 _CFLAGS = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
            "-mavx512vnni"]
 _SOURCES = ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp",
-            "decode_attention.cpp", "layer_ops.cpp")
+            "decode_attention.cpp", "layer_ops.cpp", "decode_layers.cpp")
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes ``decode_attention`` reads."""
 
@@ -248,6 +248,22 @@ def pack_bf16(weight: Tensor) -> Tensor:
     n, k = weight.shape
     w = weight.detach().to(torch.bfloat16).view(n // TILE, TILE, k // 2, 2)
     return w.permute(0, 2, 1, 3).contiguous()
+
+
+def decode_layers(norms: list[Tensor], matrices: list[tuple[str, list[Tensor], Tensor | None]],
+                  num_heads: int, num_kv_heads: int, head_dim: int,
+                  intermediate: int) -> object:
+    """A ``DecodeLayers`` (``decode_layers.cpp``): a model's layers run for one decode step
+    in one call. ``norms``: each layer's input and post-attention norm weights; ``matrices``:
+    each layer's QKV, O, gate/up and down as (kernel, weight tensors, float32 bias), the
+    kernel ``bf16_linear`` or ``q4_linear`` (both packed as ``[N/16, ...]``). The object keeps
+    references to the tensors."""
+    mod = kernels()
+    kinds = {"bf16_linear": mod.DecodeLayers.BF16, "q4_linear": mod.DecodeLayers.Q4}
+    return mod.DecodeLayers(norms, [kinds[k] for k, _, _ in matrices],
+                            [w for _, w, _ in matrices], [b for _, _, b in matrices],
+                            [w[0].shape[0] * TILE for _, w, _ in matrices],  # N/16 tiles
+                            num_heads, num_kv_heads, head_dim, intermediate)
 
 
 def _per_tile(t: Tensor) -> Tensor:

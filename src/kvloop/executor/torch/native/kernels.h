@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <vector>
 
 // out[M, N] (+)= x[M, K] @ W.T (+ bias), W in 4 bits (see q4_linear.cpp for the layout).
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -31,3 +32,36 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
 void decode_attention(const at::Tensor& q, const at::Tensor& cache,
                       const at::Tensor& block_table, const at::Tensor& context_lens,
                       double scale, at::Tensor& out);
+
+// A model's decoder layers for one decode step in one call (see decode_layers.cpp): built
+// once per model from its norms and layer matrices, 4 per layer (qkv, o, gate_up, down),
+// each bfloat16 (``kBf16``: the packed weights) or 4-bit (``kQ4``: packed, scales, mins).
+class DecodeLayers {
+ public:
+  static constexpr int64_t kBf16 = 0;
+  static constexpr int64_t kQ4 = 1;
+
+  DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
+               std::vector<std::vector<at::Tensor>> weights,
+               std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> out_features,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
+
+  // x [T, hidden] updated in place; the step's T tokens are all decodes of T sequences.
+  void run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+           const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+           const at::Tensor& block_table, const at::Tensor& context_lens, double eps,
+           double scale) const;
+
+ private:
+  struct Matrix {
+    int64_t kind;
+    std::vector<at::Tensor> w;
+    std::optional<at::Tensor> bias;  // float32 [out]
+    int64_t out_features;
+  };
+  void linear(const Matrix& m, const at::Tensor& x, at::Tensor& out, bool accumulate) const;
+
+  std::vector<at::Tensor> norms_;  // input and post-attention norm of each layer
+  std::vector<Matrix> mats_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_;
+};

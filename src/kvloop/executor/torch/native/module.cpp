@@ -24,5 +24,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, k and v into the cache",
         kFree, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("cache"),
         py::arg("slots"), py::arg("num_heads"), py::arg("num_kv_heads"));
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<std::vector<at::Tensor>>, std::vector<std::optional<at::Tensor>>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t>(),
+           py::arg("norms"), py::arg("kinds"), py::arg("weights"), py::arg("biases"),
+           py::arg("out_features"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"))
+      .def("run", &DecodeLayers::run, "a decode step's layers, x updated in place", kFree,
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),
+           py::arg("block_table"), py::arg("context_lens"), py::arg("eps"), py::arg("scale"))
+      .def_readonly_static("BF16", &DecodeLayers::kBf16)
+      .def_readonly_static("Q4", &DecodeLayers::kQ4);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", kFree, py::arg("gate_up"), py::arg("out"));
 }
