@@ -262,7 +262,6 @@ def decode_layers(norms: list[Tensor], matrices: list[tuple[str, list[Tensor], T
     kinds = {"bf16_linear": mod.DecodeLayers.BF16, "q4_linear": mod.DecodeLayers.Q4}
     return mod.DecodeLayers(norms, [kinds[k] for k, _, _ in matrices],
                             [w for _, w, _ in matrices], [b for _, _, b in matrices],
-                            [w[0].shape[0] * TILE for _, w, _ in matrices],  # N/16 tiles
                             num_heads, num_kv_heads, head_dim, intermediate)
 
 

@@ -6,6 +6,7 @@
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
 
+#include "int_gemm.h"
 #include "kernels.h"
 
 namespace {
@@ -21,21 +22,23 @@ void traced(const char* name, Fn&& fn) {
 
 DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                            std::vector<std::vector<at::Tensor>> weights,
-                           std::vector<std::optional<at::Tensor>> biases,
-                           std::vector<int64_t> out_features, int64_t num_heads,
+                           std::vector<std::optional<at::Tensor>> biases, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t intermediate)
     : norms_(std::move(norms)), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
       head_dim_(head_dim), intermediate_(intermediate) {
   const size_t n = kinds.size();
   TORCH_CHECK(n > 0 && n % 4 == 0 && norms_.size() == n / 2 && weights.size() == n &&
-                  biases.size() == n && out_features.size() == n,
+                  biases.size() == n,
               "DecodeLayers: 2 norms and 4 matrices per layer");
   for (size_t i = 0; i < n; ++i) {
     const size_t expected = kinds[i] == kBf16 ? 1 : kinds[i] == kQ4 ? 3 : 0;
     TORCH_CHECK(expected > 0 && weights[i].size() == expected, "DecodeLayers: matrix ", i,
                 " has kind ", kinds[i], " and ", weights[i].size(), " tensors");
-    mats_.push_back(Matrix{kinds[i], std::move(weights[i]), std::move(biases[i]),
-                           out_features[i]});
+    TORCH_CHECK(weights[i][0].dim() >= 1, "DecodeLayers: matrix ", i, "'s weights");
+    // NOTE: both layouts are [N/16, ...] (bf16_linear.cpp, q4_linear.cpp); the kernels
+    // check the rest of each shape on every call.
+    const int64_t out_features = weights[i][0].size(0) * kvloop::kTile;
+    mats_.push_back(Matrix{kinds[i], std::move(weights[i]), std::move(biases[i]), out_features});
   }
   for (size_t l = 0; l < n / 4; ++l) {
     TORCH_CHECK(mats_[4 * l].out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_ &&

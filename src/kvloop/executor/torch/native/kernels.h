@@ -43,8 +43,7 @@ class DecodeLayers {
 
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                std::vector<std::vector<at::Tensor>> weights,
-               std::vector<std::optional<at::Tensor>> biases, std::vector<int64_t> out_features,
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
+               std::vector<std::optional<at::Tensor>> biases, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
 
   // x [T, hidden] updated in place; the step's T tokens are all decodes of T sequences.
   void run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

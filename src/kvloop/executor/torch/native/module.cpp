@@ -27,9 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<std::vector<at::Tensor>>, std::vector<std::optional<at::Tensor>>,
-                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t>(),
+                    int64_t, int64_t, int64_t, int64_t>(),
            py::arg("norms"), py::arg("kinds"), py::arg("weights"), py::arg("biases"),
-           py::arg("out_features"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"))
       .def("run", &DecodeLayers::run, "a decode step's layers, x updated in place", kFree,
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),

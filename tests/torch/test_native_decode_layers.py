@@ -1,0 +1,131 @@
+"""``native.DecodeLayers`` (``decode_layers.cpp``): a decode step's layers in one call give
+the logits of the Python loop over the same kernels to the bit (bfloat16 and int4 layer
+matrices, with and without q/k/v bias), only steps of decodes read in place take it, and bad
+construction or call arguments are refused with a RuntimeError."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from native_helpers import BF16, KERNELS  # noqa: E402
+
+from conftest import build_tiny, drive, llama_config, make_runner, qwen2_config  # noqa: E402
+from kvloop.executor.torch import native  # noqa: E402
+
+# NOTE: head size 32 and sizes in 16s and 32s: the shapes every kernel of the stack tiles.
+SHAPE = {"hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+
+
+class Counting:
+    """A ``DecodeLayers`` that counts its calls and the tokens of each."""
+
+    def __init__(self, stack: object) -> None:
+        self.stack, self.tokens = stack, []
+
+    def run(self, x: torch.Tensor, *args: object) -> None:
+        self.tokens.append(x.shape[0])
+        self.stack.run(x, *args)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> object:
+    config = llama_config if request.param == "llama" else qwen2_config
+    return build_tiny(tmp_path_factory.mktemp(request.param), config(**SHAPE))
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_one_call_gives_the_python_loops_logits(shaped: object, quantization: str | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = make_runner(shaped, dtype="bfloat16", quantization=quantization, block_size=16)
+    model = runner.model
+    if quantization is None and not native.bf16_supported():
+        assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without BF16"
+        pytest.skip("the CPU lacks AVX-512 BF16: no DecodeLayers for bfloat16 matrices")
+    assert model.decode_layers is not None
+    counting = Counting(model.decode_layers)
+    model.decode_layers = counting
+    real = runner.sampler.sample
+    logits: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+    forced: dict[tuple[tuple[int, ...], int], int] = {}
+
+    def recording(rows, states):  # type: ignore[no-untyped-def]
+        tokens, lps = real(rows, states)
+        for i, s in enumerate(states):
+            key = (tuple(s.prompt_token_ids), len(s.output_token_ids))
+            logits[key] = rows[i].float().clone()
+            tokens[i] = forced.get(key, tokens[i])
+        return tokens, lps
+
+    monkeypatch.setattr(runner.sampler, "sample", recording)
+    prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61], [1, 2, 3]]
+    reqs, _ = drive(runner, prompts, 8, arrive_at=[0, 0, 3])
+    one_call = dict(logits)
+    # Able to fail: the steps whose tokens were all decodes went through the one call, and
+    # the steps with a prefill (first, and the third request's arrival) did not.
+    assert counting.tokens and set(counting.tokens) <= {1, 2, 3}, counting.tokens
+    forced.update({(tuple(r.prompt_token_ids), i): t for r in reqs
+                   for i, t in enumerate(r.output_token_ids)})
+    logits.clear()
+    model.decode_layers = None
+    drive(runner, prompts, 8, arrive_at=[0, 0, 3])
+    assert one_call.keys() == logits.keys()
+    for key, row in one_call.items():
+        assert torch.equal(row, logits[key]), key
+
+
+def test_float32_and_unfused_models_have_none(llama_model: object) -> None:
+    """The parity mode (float32) keeps torch's ops: no stack."""
+    assert make_runner(llama_model, dtype="float32").model.decode_layers is None
+
+
+def _stack_args(layers: int = 1, **change: object) -> dict[str, object]:
+    hidden, inter, heads, kv, d = 64, 64, 2, 1, 32
+    qkv = (heads + 2 * kv) * d
+
+    def mat(n: int, k: int) -> list[torch.Tensor]:
+        return [native.pack_q4(torch.zeros(n, k, dtype=torch.int32), torch.ones(n, k // 32),
+                               torch.zeros(n, k // 32))[i] for i in range(3)]
+
+    per = [(qkv, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter)]
+    args: dict[str, object] = {
+        "norms": [torch.ones(hidden, dtype=BF16)] * (2 * layers),
+        "kinds": [KERNELS.DecodeLayers.Q4] * (4 * layers),
+        "weights": [mat(n, k) for n, k in per] * layers,
+        "biases": [None] * (4 * layers),
+        "num_heads": heads, "num_kv_heads": kv, "head_dim": d, "intermediate": inter,
+    }
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kinds": [7] * 4}, "kind 7"),
+    ({"kinds": [0] * 4}, "has kind 0 and 3 tensors"),
+    ({"norms": [torch.ones(64, dtype=BF16)]}, "2 norms and 4 matrices"),
+    ({"weights": [[w[0][:3], *w[1:]] for w in _stack_args()["weights"]]}, "matrix sizes"),
+    ({"intermediate": 96}, "matrix sizes"),
+    ({"norms": [], "kinds": [], "weights": [], "biases": []}, "2 norms"),
+])
+def test_decode_layers_refuses_bad_construction(change: dict[str, object], message: str) -> None:
+    KERNELS.DecodeLayers(**_stack_args())  # the unchanged arguments build
+    with pytest.raises(RuntimeError, match=message):
+        KERNELS.DecodeLayers(**_stack_args(**change))
+
+
+def test_decode_layers_refuses_bad_calls() -> None:
+    stack = KERNELS.DecodeLayers(**_stack_args())
+    cache = torch.zeros(2, 4, 16, 1, 32, dtype=BF16)
+    args = {"x": torch.randn(1, 64).to(BF16), "cos": torch.ones(1, 32, dtype=BF16),
+            "sin": torch.zeros(1, 32, dtype=BF16), "caches": [cache],
+            "slots": torch.tensor([3]), "block_table": torch.tensor([[0]]),
+            "context_lens": torch.tensor([4]), "eps": 1e-5, "scale": 32 ** -0.5}
+    stack.run(**args)  # a right call runs
+    for change, message in [({"caches": [cache, cache]}, "one cache per layer"),
+                            ({"x": torch.randn(1, 32).to(BF16)}, "x layout"),
+                            ({"context_lens": torch.tensor([40])}, "decode_attention"),
+                            ({"block_table": torch.tensor([[9]])}, "out of range")]:
+        with pytest.raises(RuntimeError, match=message):
+            stack.run(**{**args, **change})
