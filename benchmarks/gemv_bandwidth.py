@@ -1,4 +1,4 @@
-"""How much of the machine's read bandwidth torch's CPU kernels reach for one decode row.
+"""How much of the machine's read bandwidth each CPU layout reaches for one decode row.
 
 A one-stream decode step multiplies one activation row by every layer matrix, so each
 product only streams its weights. This script builds the layer matrices of a model (its
@@ -7,7 +7,10 @@ layout kvloop can use on CPU, and times one pass over all of them at M = 1 with 
 weights cold (every layer's own matrices, as in a real step, so nothing stays in cache),
 against the read bandwidth of a plain sum over 1 GiB with the same threads:
 
-- ``bf16 packed``: ``PackedLinear`` (oneDNN, weights reordered once; kvloop's default);
+- ``bf16 (kvloop's kernel)``: ``Bf16Linear`` (``native.bf16_linear``, ``vdpbf16ps``;
+  kvloop's bfloat16 layout on CPUs with AVX-512 BF16);
+- ``bf16 packed``: ``PackedLinear`` (oneDNN, weights reordered once; kvloop's bfloat16
+  layout on other CPUs);
 - ``int8 per-channel``: ``aten._weight_int8pack_mm`` (weight-only int8, one scale per row);
 - ``int4 (kvloop's kernel)``: ``Int4Linear`` (``--quantization int4``) where kvloop's own
   kernel runs (``native.q4_linear``; half a byte per weight plus a float32 scale and offset
@@ -34,7 +37,7 @@ from decode_floor import read_bandwidth
 
 from kvloop.engine.model_source import resolve_model
 from kvloop.executor.torch import native
-from kvloop.executor.torch.linear import INT4_GROUP, Int4Linear, PackedLinear
+from kvloop.executor.torch.linear import INT4_GROUP, Bf16Linear, Int4Linear, PackedLinear
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.profiler import device_name
 
@@ -91,6 +94,10 @@ def main() -> int:
     layouts: dict[str, tuple[list[Callable[[], object]], float]] = {}
     """Name -> (one call per matrix, bytes read per weight)."""
     with torch.inference_mode():
+        if native.bf16_supported():
+            bf16 = [Bf16Linear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
+            layouts["bf16 (kvloop's kernel)"] = (
+                [lambda m=m: m(rows[m.in_features]) for m in bf16], 2.0)
         packed = [PackedLinear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
         layouts["bf16 packed"] = ([lambda m=m: m(rows[m.in_features]) for m in packed], 2.0)
         int8 = []

@@ -233,20 +233,16 @@ class LlamaForCausalLM:
         slots = meta.slot_mapping
         attention = paged_attention if meta.flex_masks is None else flex_paged_attention
         x = F.embedding(input_ids, self.embed)
-        group = meta.groups[0] if len(meta.groups) == 1 else None
-        if (self.decode_layers is not None and group is not None and group.context_lens
-                is not None and group.num_seqs == num_tokens and meta.flex_masks is None):
-            # NOTE: every token a decode of its own sequence, one group read in place.
+        if self.fused_ops and self.decode_layers is not None and _all_decodes(meta, num_tokens):
+            group = meta.groups[0]
             self.decode_layers.run(x, cos.view(num_tokens, head_dim),
                                    sin.view(num_tokens, head_dim), kv_layers, slots,
                                    group.blocks.view(num_tokens, -1), group.context_lens,
                                    eps, self.scale)
-            x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-            return self.lm_head(x).float()
+            return self._fused_logits(x, logits_indices)
         if self.fused_ops:
             self._fused_layers(x, cos, sin, kv_layers, meta, attention)
-            x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
-            return self.lm_head(x).float()
+            return self._fused_logits(x, logits_indices)
         # NOTE: x is this step's own buffer: residual adds go into it in place (fused with
         # the output projections as addmm), and RoPE / SiLU·up work in place in their
         # matmul outputs. Fewer fresh buffers means fewer page faults on CPU.
@@ -265,6 +261,12 @@ class LlamaForCausalLM:
             layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
         x = rms_norm(x.index_select(0, logits_indices), self.norm, eps)
         return self.lm_head(x).float()
+
+    def _fused_logits(self, x: Tensor, logits_indices: Tensor) -> Tensor:
+        """float32 logits of the rows ``logits_indices`` of ``x``, the final norm fused."""
+        rows = x.index_select(0, logits_indices)
+        native.call("rms_norm", rows, self.norm, self.config.rms_norm_eps, rows)
+        return self.lm_head(rows).float()
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_layers: list[Tensor],
                       meta: AttentionMetadata, attention: Callable[..., Tensor]) -> None:
@@ -286,6 +288,15 @@ class LlamaForCausalLM:
             native.call("rms_norm", x, layer.post_norm, eps, h)
             native.call("silu_mul", layer.gate_up(h), act)
             layer.down.add_to_(x, act)
+
+
+def _all_decodes(meta: AttentionMetadata, num_tokens: int) -> bool:
+    """Whether the step's ``num_tokens`` tokens are decodes of as many sequences, in one
+    group that kvloop's kernel reads in place (what ``native.DecodeLayers`` runs)."""
+    if len(meta.groups) != 1 or meta.flex_masks is not None:
+        return False
+    group = meta.groups[0]
+    return group.context_lens is not None and group.num_seqs == num_tokens
 
 
 def _nbytes(tensors: list[Tensor]) -> int:

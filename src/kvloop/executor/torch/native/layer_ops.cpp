@@ -21,6 +21,8 @@ using kvloop::store16;
 constexpr int64_t kGrain = 16;  // rows per thread task (one row alone stays on the caller)
 
 template <typename T>
+// NOTE: out may be x (in place): a row's sum of squares is taken before any of it is written,
+// and each element is read before its own output is stored.
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, float eps) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
