@@ -20,7 +20,7 @@ from conftest import drive
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS  # noqa: E402
+from native_helpers import BF16, KERNELS, LogitRecorder  # noqa: E402
 
 from kvloop.executor.torch.attention import build_metadata, paged_attention  # noqa: E402
 from kvloop.executor.torch.linear import Int8Linear  # noqa: E402
@@ -279,26 +279,12 @@ def test_default_model_int4_decodes_in_place_as_gathered(monkeypatch: pytest.Mon
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 4521, 28, 601, 359, 346, 30, 7, 2681, 28,
                                                  1073, 314, 253, 1789, 4387, 30, 378, 4649]]
     steps = 6
-    real = runner.sampler.sample
-    logits: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
-    forced: dict[tuple[tuple[int, ...], int], int] = {}
-
-    def recording(rows, states):  # type: ignore[no-untyped-def]
-        tokens, lps = real(rows, states)
-        for i, s in enumerate(states):
-            key = (tuple(s.prompt_token_ids), len(s.output_token_ids))
-            logits[key] = rows[i].float().clone()
-            tokens[i] = forced.get(key, tokens[i])
-        return tokens, lps
-
-    monkeypatch.setattr(runner.sampler, "sample", recording)
+    recorder = LogitRecorder(runner, monkeypatch)
     reqs, _ = drive(runner, prompts, steps)
-    fast = dict(logits)
-    forced.update({(tuple(r.prompt_token_ids), i): t for r in reqs
-                   for i, t in enumerate(r.output_token_ids)})
-    logits.clear()
+    fast = recorder.force(reqs)
     runner.native_attention = False
     drive(runner, prompts, steps)
+    logits = recorder.logits
     assert fast.keys() == logits.keys() and len(fast) == len(prompts) * steps
     gaps = []
     for key, a in fast.items():

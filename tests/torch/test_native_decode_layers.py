@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS  # noqa: E402
+from native_helpers import BF16, KERNELS, LogitRecorder  # noqa: E402
 
 from conftest import build_tiny, drive, llama_config, make_runner, qwen2_config  # noqa: E402
 from kvloop.executor.torch import native  # noqa: E402
@@ -47,36 +47,21 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, quantization: st
     assert model.decode_layers is not None
     counting = Counting(model.decode_layers)
     model.decode_layers = counting
-    real = runner.sampler.sample
-    logits: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
-    forced: dict[tuple[tuple[int, ...], int], int] = {}
-
-    def recording(rows, states):  # type: ignore[no-untyped-def]
-        tokens, lps = real(rows, states)
-        for i, s in enumerate(states):
-            key = (tuple(s.prompt_token_ids), len(s.output_token_ids))
-            logits[key] = rows[i].float().clone()
-            tokens[i] = forced.get(key, tokens[i])
-        return tokens, lps
-
-    monkeypatch.setattr(runner.sampler, "sample", recording)
+    recorder = LogitRecorder(runner, monkeypatch)
     prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61], [1, 2, 3]]
     reqs, _ = drive(runner, prompts, 8, arrive_at=[0, 0, 3])
-    one_call = dict(logits)
+    one_call = recorder.force(reqs)
     # Able to fail: the steps whose tokens were all decodes went through the one call, and
     # the steps with a prefill (first, and the third request's arrival) did not.
     assert counting.tokens and set(counting.tokens) <= {1, 2, 3}, counting.tokens
-    forced.update({(tuple(r.prompt_token_ids), i): t for r in reqs
-                   for i, t in enumerate(r.output_token_ids)})
-    logits.clear()
     model.decode_layers = None
     drive(runner, prompts, 8, arrive_at=[0, 0, 3])
-    assert one_call.keys() == logits.keys()
+    assert one_call.keys() == recorder.logits.keys()
     for key, row in one_call.items():
-        assert torch.equal(row, logits[key]), key
+        assert torch.equal(row, recorder.logits[key]), key
 
 
-def test_float32_and_unfused_models_have_none(llama_model: object) -> None:
+def test_float32_has_no_decode_layers(llama_model: object) -> None:
     """The parity mode (float32) keeps torch's ops: no stack."""
     assert make_runner(llama_model, dtype="float32").model.decode_layers is None
 
