@@ -33,7 +33,7 @@ def integers(*shape: int, gen: torch.Generator, span: int = 8) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 17])
 def test_bf16_linear_is_exact_on_integers(m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x = integers(n, k, gen=gen), integers(m, k, gen=gen)
@@ -60,7 +60,7 @@ def test_bf16_linear_is_torchs_product(m: int) -> None:
     ref = x.double() @ w.double().t() + bias.double()
     torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(y, PackedLinear(w, bias)(x), atol=2e-2, rtol=1e-2)
-    # A strided input (the gate half of a fused gate/up output) is read as it is.
+    # A strided input (the gate half of a fused gate/up output) is accepted (made contiguous).
     wide = torch.randn(m, 256, generator=gen).to(BF16)
     assert torch.equal(Bf16Linear(w, None)(wide[:, :128]),
                        Bf16Linear(w, None)(wide[:, :128].contiguous()))
@@ -130,7 +130,21 @@ def _args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str, o
     ({"x": torch.randn(64, 2).to(BF16).t()}, "layout"),
     ({"bias": torch.zeros(31)}, "bias"),
     ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
+    ({"packed": torch.zeros(32, 64, dtype=BF16)}, "packed"),  # right size, not packed
+    ({"packed": torch.zeros(2, 16, 32, 2, dtype=BF16)}, "packed"),
 ])
 def test_bf16_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         KERNELS.bf16_linear(**_args(**change))
+
+
+def test_bf16_linear_refuses_aliased_output() -> None:
+    """Its tiles read x while others write out: ``out`` overlapping ``x`` would be a wrong
+    answer, so it is refused (the integer GEMMs read a quantised copy and allow it)."""
+    gen = torch.Generator().manual_seed(2)
+    lin = Bf16Linear(torch.randn(64, 64, generator=gen).to(BF16), None)
+    y = torch.randn(3, 64, generator=gen).to(BF16)
+    before = y.clone()
+    with pytest.raises(RuntimeError, match="single memory location"):
+        lin.add_to_(y, y)
+    assert torch.equal(y, before), "refused before writing anything"

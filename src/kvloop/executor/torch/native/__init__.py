@@ -239,7 +239,8 @@ def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def bf16_supported() -> bool:
     """Whether ``bf16_linear`` runs here: the kernels built and the CPU has AVX-512 BF16
     (``vdpbf16ps``; CPUs with VNNI but without it run the other kernels)."""
-    return "avx512_bf16" in cpu_flags() and kernels() is not None
+    mod = kernels()
+    return "avx512_bf16" in cpu_flags() and mod is not None and mod.bf16_available()
 
 
 def pack_bf16(weight: Tensor) -> Tensor:

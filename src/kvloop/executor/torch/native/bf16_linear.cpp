@@ -8,11 +8,31 @@
 // NOTE: vdpbf16ps ignores MXCSR: it reads bfloat16 subnormals as zero and rounds to nearest
 // even. Products of two bfloat16 values are exact in float32; only the order of the float32
 // sums differs from oneDNN's, so outputs agree with torch's to the last bfloat16 step.
+#include <ATen/MemoryOverlap.h>
+
 #include <cstring>
 
 #include "int_gemm.h"
 #include "kernels.h"
 
+// NOTE: compilers before GCC 10 and Clang 9 lack the AVX-512 BF16 intrinsics: there the
+// kernel is left out (bf16_available() is false) and the other kernels still build.
+#if (defined(__clang__) && __clang_major__ >= 9) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define KVLOOP_BF16 1
+#else
+#define KVLOOP_BF16 0
+#endif
+
+bool bf16_available() {
+#if KVLOOP_BF16
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+#if KVLOOP_BF16
 namespace {
 
 using kvloop::kTile;
@@ -23,6 +43,7 @@ struct Bf16Tiles {
   int64_t K;
 
   static constexpr int kWidth = 2;  // tiles per pass: 2 weight loads feed 2 R products
+  static constexpr int kRows = 8;   // rows per pass: 16 sums, 2 weight and 8 row registers
 
   // NOTE: only this function needs AVX-512 BF16 (checked by the caller, as the CPUs with
   // VNNI but without BF16 run the other kernels); a target attribute keeps the rest of the
@@ -64,17 +85,27 @@ struct Bf16Tiles {
 };
 
 }  // namespace
+#endif
 
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+  // NOTE: without this check a CPU lacking AVX-512 BF16 would die of SIGILL.
+  TORCH_CHECK(bf16_available(), "bf16_linear: needs AVX-512 BF16 (this CPU or compiler lacks it)");
   kvloop::check_gemm("bf16_linear", x, out);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == N * K &&
-                  packed.is_contiguous() && packed.device().is_cpu(),
-              "bf16_linear: W");
+  constexpr int64_t tile = kvloop::kTile;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(0) == N / tile && packed.size(1) == K / 2 &&
+                  packed.size(2) == tile && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.device().is_cpu(),
+              "bf16_linear: W must be packed [N/16, K/2, 16, 2] (native.pack_bf16)");
+  // NOTE: tiles read x while others store out (q4/q8 read a quantised copy): no aliasing.
+  at::assert_no_overlap(out, x);
+#if KVLOOP_BF16
   const float* b = kvloop::bias_data("bf16_linear", bias, N);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   kvloop::store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K},
                       b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
+#endif
 }

@@ -34,6 +34,8 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> k
     const size_t expected = kinds[i] == kBf16 ? 1 : kinds[i] == kQ4 ? 3 : 0;
     TORCH_CHECK(expected > 0 && weights[i].size() == expected, "DecodeLayers: matrix ", i,
                 " has kind ", kinds[i], " and ", weights[i].size(), " tensors");
+    TORCH_CHECK(kinds[i] != kBf16 || bf16_available(),
+                "DecodeLayers: bfloat16 matrices need AVX-512 BF16");
     TORCH_CHECK(weights[i][0].dim() >= 1, "DecodeLayers: matrix ", i, "'s weights");
     // NOTE: both layouts are [N/16, ...] (bf16_linear.cpp, q4_linear.cpp); the kernels
     // check the rest of each shape on every call.

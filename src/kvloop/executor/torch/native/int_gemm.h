@@ -19,7 +19,7 @@ namespace kvloop {
 
 constexpr int kGroup = 32;  // input elements sharing one scale
 constexpr int kTile = 16;   // outputs of one tile (one 16-lane vector)
-constexpr int kRows = 4;    // activation rows sharing one pass over a tile's weights
+constexpr int kRows = 4;    // activation rows sharing one pass over an integer tile's weights
 
 // x[m, k] ~ s[m, g] * a[m, k], g = k / 32, a in -127..127 (stored + 128 as unsigned bytes
 // with ``offset``, for vpdpbusd's unsigned operand); ssum = s * sum of the group's a.
@@ -65,43 +65,45 @@ inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
   return q;
 }
 
+// tiles.rows<R, W>(t, m0, acc) for the runtime row count ``rows`` (1..RM).
+template <int RM, int W, typename Tiles>
+inline void rows_of(const Tiles& tiles, int64_t rows, int64_t t, int64_t m0, __m512* acc) {
+  if constexpr (RM > 1) {
+    if (rows < RM) return rows_of<RM - 1, W>(tiles, rows, t, m0, acc);
+  }
+  tiles.template rows<RM, W>(t, m0, acc);
+}
+
 // out[M, N] (+)= the tiles' results (+ bias, float32 [N] or null), rounded once to T.
 // ``tiles.rows<R, W>(t, m0, acc)`` computes outputs [16 t, 16 (t + W)) of rows [m0, m0 + R)
-// into acc[W * r + w]; ``Tiles::kWidth`` (1 or 2) is the most tiles one call computes.
+// into acc[W * r + w]; ``Tiles::kWidth`` (1 or 2) is the most tiles and ``Tiles::kRows`` the
+// most rows one call computes.
 template <typename T, typename Tiles>
 void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64_t N,
                  bool accumulate) {
-  constexpr int W = Tiles::kWidth;
+  constexpr int W = Tiles::kWidth, RM = Tiles::kRows;
   const int64_t tiles_n = N / kTile;
   // NOTE: a grain of 4 tiles (64 outputs) still splits the smallest matrices over threads.
   at::parallel_for(0, (tiles_n + W - 1) / W, 4 / W, [&](int64_t begin, int64_t end) {
-    __m512 acc[kRows * W];
+    __m512 acc[RM * W];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i * W;
       const int width = static_cast<int>(std::min<int64_t>(W, tiles_n - t));
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m0);
+      __m512 b[W];
+      for (int w = 0; w < width; ++w)
+        b[w] = bias ? _mm512_loadu_ps(bias + (t + w) * kTile) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += RM) {
+        const int64_t rows = std::min<int64_t>(RM, M - m0);
         if (width == W) {
-          switch (rows) {
-            case 4: tiles.template rows<4, W>(t, m0, acc); break;
-            case 3: tiles.template rows<3, W>(t, m0, acc); break;
-            case 2: tiles.template rows<2, W>(t, m0, acc); break;
-            default: tiles.template rows<1, W>(t, m0, acc); break;
-          }
+          rows_of<RM, W>(tiles, rows, t, m0, acc);
         } else {  // NOTE: the last, odd tile of a 2-wide pass
-          switch (rows) {
-            case 4: tiles.template rows<4, 1>(t, m0, acc); break;
-            case 3: tiles.template rows<3, 1>(t, m0, acc); break;
-            case 2: tiles.template rows<2, 1>(t, m0, acc); break;
-            default: tiles.template rows<1, 1>(t, m0, acc); break;
-          }
+          rows_of<RM, 1>(tiles, rows, t, m0, acc);
         }
         for (int64_t r = 0; r < rows; ++r) {
           for (int w = 0; w < width; ++w) {
             const int64_t n0 = (t + w) * kTile;
             T* o = out + (m0 + r) * N + n0;
-            __m512 y = acc[width * r + w];
-            if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0));
+            __m512 y = _mm512_add_ps(acc[width * r + w], b[w]);
             if (accumulate) y = _mm512_add_ps(y, load16(o));
             store16(o, y);
           }

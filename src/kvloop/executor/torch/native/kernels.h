@@ -17,7 +17,9 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate);
 
-// The same with W and x in bfloat16 (see bf16_linear.cpp; needs AVX-512 BF16).
+// Whether bf16_linear runs here (the CPU has AVX-512 BF16 and the compiler had it).
+bool bf16_available();
+// The same with W and x in bfloat16 (see bf16_linear.cpp; needs bf16_available()).
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
@@ -36,6 +38,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache,
 // A model's decoder layers for one decode step in one call (see decode_layers.cpp): built
 // once per model from its norms and layer matrices, 4 per layer (qkv, o, gate_up, down),
 // each bfloat16 (``kBf16``: the packed weights) or 4-bit (``kQ4``: packed, scales, mins).
+// NOTE: it holds those tensors: a weight changed in place is seen, a layer matrix replaced
+// by another object is not (build a new one).
 class DecodeLayers {
  public:
   static constexpr int64_t kBf16 = 0;
@@ -43,7 +47,8 @@ class DecodeLayers {
 
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                std::vector<std::vector<at::Tensor>> weights,
-               std::vector<std::optional<at::Tensor>> biases, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
+               std::vector<std::optional<at::Tensor>> biases, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
 
   // x [T, hidden] updated in place; the step's T tokens are all decodes of T sequences.
   void run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

@@ -25,6 +25,7 @@ struct Q8Tiles {
   int64_t K, G;
 
   static constexpr int kWidth = 1;
+  static constexpr int kRows = kvloop::kRows;
 
   template <int R, int W>
   void rows(int64_t t, int64_t m0, __m512* acc) const {
