@@ -14,10 +14,12 @@ from kvloop.cli.serve import startup_line
 def test_startup_line_names_what_is_served(server: LiveServer) -> None:
     line = startup_line(server.engine, "tiny (served as tiny-llama)", "http://127.0.0.1:9")
     memory = format_size(server.engine.executor.kv_cache.gpu.nbytes)
+    kernels = server.engine.executor.kernels_note
+    assert kernels.startswith(("kvloop's CPU kernels: ", "torch's kernels"))
     assert line == (
-        "kvloop serve: model tiny (served as tiny-llama) on cpu (float32); KV cache 128 blocks "
-        f"x 16 tokens = 2048 tokens, {memory}; token budget 512 tokens per step (as given); "
-        "max_model_len 256; http://127.0.0.1:9")
+        f"kvloop serve: model tiny (served as tiny-llama) on cpu (float32; {kernels}); "
+        f"KV cache 128 blocks x 16 tokens = 2048 tokens, {memory}; token budget 512 tokens "
+        "per step (as given); max_model_len 256; http://127.0.0.1:9")
     assert "\n" not in line
 
 
@@ -32,7 +34,7 @@ def test_serve_prints_one_startup_line_before_serving(tiny_model: Path) -> None:
         lines[starts[0]], "kvloop serve: stopped"], output  # and one line when it stops
     line = lines[starts[0]]
     port = live.url.rsplit(":", 1)[1]
-    assert f"model {tiny_model} (served as tiny-llama) on cpu (float32)" in line
+    assert f"model {tiny_model} (served as tiny-llama) on cpu (float32; " in line
     assert "KV cache 128 blocks x 16 tokens = 2048 tokens, " in line
     assert " + 128 swap blocks;" in line  # 1 MiB of 8 KiB blocks
     assert "token budget 512 tokens per step (as given)" in line

@@ -190,3 +190,23 @@ def test_auto_dtype_with_int4_is_bfloat16_and_says_why(llama_model,
 def test_cuda_without_cuda_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="device cuda: this torch build has no CUDA"):
         loader.resolve_device("cuda")
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="kvloop's CPU kernels do not run here")
+def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
+    """``kernels_note`` (the "loaded in" line) names each of kvloop's kernels a model runs."""
+    assert make_runner(llama_model, dtype="float32").kernels_note == (
+        "kvloop's CPU kernels: decode_attention")
+    bf16 = make_runner(llama_model, dtype="bfloat16").kernels_note
+    assert bf16.startswith("kvloop's CPU kernels: ") and "rms_norm" in bf16
+    assert ("bf16_linear" in bf16 and "DecodeLayers" in bf16) == native.bf16_supported()
+    int4 = make_runner(llama_model, dtype="bfloat16", quantization="int4").kernels_note
+    assert "q4_linear" in int4 and "q8_linear" in int4 and "DecodeLayers" in int4
+
+
+def test_the_load_line_says_when_torch_kernels_run(llama_model,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLOOP_NATIVE", "0")
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    runner = make_runner(llama_model, dtype="bfloat16")
+    assert runner.kernels_note == "torch's kernels (kvloop's are off: KVLOOP_NATIVE=0)"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TinyModel, make_runner
 
+from conftest import TinyModel, make_runner
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core import Scheduler
 from kvloop.engine.llm_engine import LLMEngine

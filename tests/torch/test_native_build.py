@@ -114,3 +114,4 @@ def test_a_finished_build_loads_from_a_cache_it_cannot_write(tmp_path: Path) -> 
     (copy / "kvloop.lock").mkdir()  # NOTE: open(..., "w") on it fails like a read-only dir
     proc = _python({"KVLOOP_CACHE_DIR": str(tmp_path / "cache")})
     assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-800:]
+

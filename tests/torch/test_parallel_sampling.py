@@ -4,8 +4,8 @@ partial one copied on write) sample exactly what solo runs sample."""
 from __future__ import annotations
 
 import pytest
-from conftest import TinyModel, make_runner, prompts_of
 
+from conftest import TinyModel, make_runner, prompts_of
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core import Scheduler
 from kvloop.engine.llm_engine import LLMEngine

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 from conftest import TinyModel  # noqa: F401  (fixtures come from conftest)
-
 from kvloop.cli import main
 from kvloop.executor.simulated.calibration import Calibration
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TinyModel
 
+from conftest import TinyModel
 from kvloop import SamplingParams
 from kvloop.engine.llm import LLM
 from kvloop.errors import InvalidRequestError

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import TinyModel, make_runner, prompts_of
 
+from conftest import TinyModel, make_runner, prompts_of
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core import Scheduler, SchedulerOutput
 from kvloop.engine.llm_engine import LLMEngine

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import TinyModel
 
+from conftest import TinyModel
 from kvloop.engine.args import EngineArgs
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.executor.torch import budget

@@ -105,9 +105,10 @@ def _url_host(host: str) -> str:
 
 
 def startup_line(engine: Any, model: str, url: str) -> str:
-    """The one line ``kvloop serve`` prints once the model is loaded: the model, device and
-    dtype, the KV blocks and their memory, the token budget and why, the context length, the
-    scheduling policy unless it is ``fcfs`` (``policy_note``) and the URL."""
+    """The one line ``kvloop serve`` prints once the model is loaded: the model, device,
+    dtype and whose CPU kernels run (``kernels_note``), the KV blocks and their memory, the
+    token budget and why, the context length, the scheduling policy unless it is ``fcfs``
+    (``policy_note``) and the URL."""
     runner = engine.executor
     cache = engine.scheduler.cache_config
     blocks, size = cache.num_gpu_blocks, cache.block_size
@@ -116,6 +117,8 @@ def startup_line(engine: Any, model: str, url: str) -> str:
         "torch.")
     if note := getattr(runner, "dtype_note", ""):
         dtype += f"; {note}"
+    if kernels := getattr(runner, "kernels_note", ""):
+        dtype += f"; {kernels}"
     where = f" on {device} ({dtype})" if device is not None else ""
     pool = getattr(getattr(runner, "kv_cache", None), "gpu", None)
     memory = f", {format_size(pool.nbytes)}" if pool is not None else ""

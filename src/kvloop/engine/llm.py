@@ -213,8 +213,8 @@ def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]
 
 
 def _describe(engine: LLMEngine) -> tuple[str, str]:
-    """Two status lines: what was loaded (model, dtype, device) and the KV cache it sized
-    (blocks, tokens, memory, the step's token budget)."""
+    """Two status lines: what was loaded (model, dtype, device, whose CPU kernels) and the
+    KV cache it sized (blocks, tokens, memory, the step's token budget)."""
     runner = engine.executor
     cfg = getattr(runner, "model_config", None)
     dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).replace(
@@ -223,6 +223,8 @@ def _describe(engine: LLMEngine) -> tuple[str, str]:
         dtype += f" ({note})"
     loaded = (f"{getattr(cfg, 'architecture', 'model')} {dtype} on "
               f"{getattr(runner, 'device', '?')}")
+    if kernels := getattr(runner, "kernels_note", ""):
+        loaded += f"; {kernels}"
     cache = engine.scheduler.cache_config
     kv = (f"KV cache: {cache.num_gpu_blocks} blocks x {cache.block_size} tokens = "
           f"{cache.num_gpu_blocks * cache.block_size} tokens")

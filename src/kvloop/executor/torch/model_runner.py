@@ -162,6 +162,19 @@ class TorchModelRunner:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{dtype}, {self.quantization} weights" if self.quantization else dtype
 
+    @property
+    def kernels_note(self) -> str:
+        """Whose kernels run the model, for the load line: on CPU, kvloop's (by name) or
+        torch's, with the reason where kvloop's are off; empty on other devices."""
+        if self.device.type != "cpu":
+            return ""
+        used = [*self.model.native_kernels, *(["decode_attention"] * self.native_attention)]
+        if used:
+            return f"kvloop's CPU kernels: {', '.join(sorted(used))}"
+        reason = native.unavailable_reason() or (
+            "their build failed" if native.kernels() is None else "")
+        return f"torch's kernels (kvloop's are off: {reason})" if reason else "torch's kernels"
+
     # -- setup -----------------------------------------------------------------------
     def _resolve_max_model_len(self, max_model_len: int | None) -> int:
         cfg = self.model_config

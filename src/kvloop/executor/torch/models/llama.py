@@ -28,7 +28,13 @@ from torch import Tensor
 from kvloop.executor.torch import native
 from kvloop.executor.torch.attention import AttentionMetadata, paged_attention, write_kv
 from kvloop.executor.torch.flex import flex_paged_attention
-from kvloop.executor.torch.linear import HEAD_QUANTIZATION, Linear, int8_runs, make_linear
+from kvloop.executor.torch.linear import (
+    HEAD_QUANTIZATION,
+    Int8Linear,
+    Linear,
+    int8_runs,
+    make_linear,
+)
 
 if TYPE_CHECKING:
     from kvloop.executor.torch.models import ModelConfig
@@ -192,6 +198,22 @@ class LlamaForCausalLM:
         """Bytes of weights one decode step reads: every layer's, the final norm and the LM
         head; not the embedding, of which a step reads only a few rows."""
         return _nbytes(self._streamed_tensors())
+
+    @property
+    def native_kernels(self) -> list[str]:
+        """kvloop's CPU kernels (``native``) this model runs, by name (the load line)."""
+        names: set[str] = set()
+        for lin in (self.lm_head, *(m for layer in self.layers
+                                    for m in (layer.qkv, layer.o, layer.gate_up, layer.down))):
+            if isinstance(lin, Int8Linear):
+                names.add("q8_linear")
+            elif (operands := getattr(lin, "native_operands", None)) is not None:
+                names.add(operands[0])
+        if self.fused_ops:
+            names.update(("rms_norm", "rope_write_kv", "silu_mul"))
+        if self.decode_layers is not None:
+            names.add("DecodeLayers")
+        return sorted(names)
 
     def _streamed_tensors(self) -> list[Tensor]:
         tensors = [self.norm, *self.lm_head.tensors]

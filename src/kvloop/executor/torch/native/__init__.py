@@ -17,7 +17,7 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
   where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 only).
 
 The sources (``*.cpp`` beside this file) are compiled once per machine and source version
-with ``torch.utils.cpp_extension`` (about a minute on 2 cores) into
+with ``torch.utils.cpp_extension`` (25–90 s on 2 cores) into
 ``$KVLOOP_CACHE_DIR/native/`` (``~/.cache/kvloop/native`` by default), and loaded from
 there after. Where they cannot run — no AVX-512 VNNI, no C++ compiler, a failed build, an
 unwritable cache, or ``KVLOOP_NATIVE=0`` (for A/B measurements) — :func:`kernels` returns
@@ -67,10 +67,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+_OFF = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
+
+
 def unavailable_reason() -> str | None:
-    """Why :func:`kernels` cannot build on this machine before trying (None: it may)."""
-    if os.environ.get("KVLOOP_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"KVLOOP_NATIVE={os.environ['KVLOOP_NATIVE']}"
+    """Why :func:`kernels` cannot build on this machine before trying (None: it may).
+
+    NOTE: a ``KVLOOP_NATIVE`` value that is neither on nor off turns them off too, with a
+    reason naming the accepted values, rather than being read as either silently."""
+    value = os.environ.get("KVLOOP_NATIVE", "1")
+    if value.strip().lower() in _OFF:
+        return f"KVLOOP_NATIVE={value}"
+    if value.strip().lower() not in _ON:
+        return (f"KVLOOP_NATIVE={value!r} is not one of {'/'.join(_ON[1:])} (on) or "
+                f"{'/'.join(_OFF)} (off)")
     if sys.platform != "linux":
         return f"platform {sys.platform}"
     missing = REQUIRED_FLAGS - cpu_flags()
@@ -85,7 +96,8 @@ def kernels() -> ModuleType | None:
     cannot run (module docstring), with the reason logged once."""
     reason = unavailable_reason()
     if reason is not None:
-        log.info("kvloop's CPU kernels are off (%s): using torch's kernels", reason)
+        level = logging.WARNING if " is not one of " in reason else logging.INFO
+        log.log(level, "kvloop's CPU kernels are off (%s): using torch's kernels", reason)
         return None
     try:
         return _build_and_load()
@@ -101,7 +113,9 @@ def _build_and_load() -> ModuleType:
     or versions never rebuild over each other. An ``flock`` (released by the OS even when a
     process is killed) serialises builders; torch's own lock file, which a killed build
     leaves behind and which torch would wait on forever, is removed under it. A failed build
-    leaves ``build-failed.txt`` so that later processes do not retry it for a minute each."""
+    leaves ``build-failed.txt``, naming the compiler it used, so that later processes do not
+    retry it for a minute each — until the compiler changes (another ``$CXX``, or the same
+    one reinstalled or upgraded)."""
     from torch.utils.cpp_extension import load  # NOTE: slow import, only when needed
 
     from kvloop.engine.model_source import cache_dir
@@ -115,8 +129,12 @@ def _build_and_load() -> ModuleType:
     build = cache_dir() / "native" / tag
     built = build / "kvloop_native.so"
     failed = build / "build-failed.txt"
+    compiler = os.environ.get("CXX", "c++")
     if failed.exists():
-        raise RuntimeError(f"their build failed before (see {failed}; delete it to retry)")
+        if _failed_with(failed) == _fingerprint(compiler):
+            raise RuntimeError(f"their build failed before with the same compiler (see "
+                               f"{failed}; delete it to retry)")
+        failed.unlink(missing_ok=True)  # NOTE: another compiler now: try it
     try:
         build.mkdir(parents=True, exist_ok=True)
         lock = open(build / "kvloop.lock", "w")  # noqa: SIM115 (held across the build)
@@ -134,11 +152,10 @@ def _build_and_load() -> ModuleType:
         (build / "lock").unlink(missing_ok=True)
         fresh = not built.exists()
         if fresh:
-            compiler = os.environ.get("CXX", "c++")
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C++ compiler ({compiler}) on PATH to build them")
-            print(f"kvloop: compiling its CPU kernels into {build} (once per version, about a "
-                  "minute; KVLOOP_NATIVE=0 skips them)...", file=sys.stderr, flush=True)
+            print(f"kvloop: compiling its CPU kernels into {build} (once per version, 25-90 "
+                  "s; KVLOOP_NATIVE=0 skips them)...", file=sys.stderr, flush=True)
         _ninja_on_path()
         start = time.perf_counter()
         try:
@@ -146,13 +163,42 @@ def _build_and_load() -> ModuleType:
                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                           build_directory=str(build), verbose=False)
         except Exception as exc:
-            failed.write_text(f"{type(exc).__name__}: {exc}\n")
+            failed.write_text(f"{_COMPILER}{_fingerprint(compiler)}\n"
+                              f"{type(exc).__name__}: {exc}\n")
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first.rstrip(" .;:")
             raise RuntimeError(f"their build failed ({first}; the log is in {failed})") from exc
         if fresh:
             print(f"kvloop: compiled its CPU kernels in {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
         return module
+
+
+_COMPILER = "compiler: "
+
+
+def _fingerprint(compiler: str) -> str:
+    """The compiler ``compiler`` names as found now: its resolved path, size and mtime (so a
+    reinstalled or upgraded one differs too); "missing" where it is not on PATH."""
+    found = shutil.which(compiler)
+    if found is None:
+        return f"{compiler} missing"
+    real = os.path.realpath(found)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return f"{compiler} -> {real} unreadable"
+    return f"{compiler} -> {real} ({st.st_size} bytes, mtime {st.st_mtime_ns})"
+
+
+def _failed_with(marker: Path) -> str | None:
+    """The compiler fingerprint a ``build-failed.txt`` recorded (None: unreadable or from an
+    older version)."""
+    try:
+        first = marker.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return first[len(_COMPILER):] if first.startswith(_COMPILER) else None
 
 
 def _import(path: Path) -> ModuleType:
