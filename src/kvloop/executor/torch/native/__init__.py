@@ -16,6 +16,10 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
 - ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
   where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 only).
 
+On CPUs with AVX2 but without AVX-512 VNNI, a second, smaller build (``avx2_gemm.cpp``,
+:func:`gemm_kernels`) holds ``q4_linear`` and ``q8_linear`` alone, on the same layouts and
+with the same results to the bit; the other kernels are torch's there.
+
 The sources (``*.cpp`` beside this file) are compiled once per machine and source version
 with ``torch.utils.cpp_extension`` (25–90 s on 2 cores) into
 ``$KVLOOP_CACHE_DIR/native/`` (``~/.cache/kvloop/native`` by default), and loaded from
@@ -35,6 +39,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -44,12 +49,32 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
-"""CPU features (``/proc/cpuinfo`` names) the kernels are compiled for."""
-_CFLAGS = ["-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-           "-mavx512vnni"]
-_SOURCES = ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp",
-            "decode_attention.cpp", "layer_ops.cpp", "decode_layers.cpp")
+@dataclass(frozen=True)
+class Build:
+    """One build of the kernels: its module name, sources, compiler flags and the CPU
+    features (``/proc/cpuinfo`` names) those flags need."""
+
+    name: str
+    sources: tuple[str, ...]
+    cflags: tuple[str, ...]
+    required: frozenset[str]
+
+
+FULL = Build("kvloop_native",
+             ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp",
+              "decode_attention.cpp", "layer_ops.cpp", "decode_layers.cpp"),
+             ("-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+              "-mavx512vnni"),
+             frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
+"""Every kernel, for AVX-512 with VNNI (:func:`kernels`)."""
+AVX2 = Build("kvloop_native_avx2", ("avx2_gemm.cpp",), ("-O3", "-fopenmp", "-mavx2", "-mfma"),
+             frozenset({"avx2", "fma"}))
+"""``q4_linear`` and ``q8_linear`` alone, for CPUs with AVX2 but not the full build's
+features (:func:`gemm_kernels`)."""
+REQUIRED_FLAGS = FULL.required
+"""CPU features the full build is compiled for."""
+GEMMS = frozenset({"q4_linear", "q8_linear"})
+"""The kernels both builds hold."""
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes ``decode_attention`` reads."""
 
@@ -71,8 +96,9 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("", "1", "true", "yes", "on")
 
 
-def unavailable_reason() -> str | None:
-    """Why :func:`kernels` cannot build on this machine before trying (None: it may).
+def unavailable_reason(build: Build = FULL) -> str | None:
+    """Why ``build`` (by default :func:`kernels`') cannot be built on this machine before
+    trying (None: it may).
 
     NOTE: a ``KVLOOP_NATIVE`` value that is neither on nor off turns them off too, with a
     reason naming the accepted values, rather than being read as either silently."""
@@ -84,7 +110,7 @@ def unavailable_reason() -> str | None:
                 f"{'/'.join(_OFF)} (off)")
     if sys.platform != "linux":
         return f"platform {sys.platform}"
-    missing = REQUIRED_FLAGS - cpu_flags()
+    missing = build.required - cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
     return None
@@ -92,21 +118,38 @@ def unavailable_reason() -> str | None:
 
 @cache
 def kernels() -> ModuleType | None:
-    """The compiled kernels, building them on the first call of a machine; None where they
-    cannot run (module docstring), with the reason logged once."""
-    reason = unavailable_reason()
+    """The compiled kernels (:data:`FULL`), building them on the first call of a machine;
+    None where they cannot run (module docstring), with the reason logged once."""
+    return _load(FULL, "kvloop's CPU kernels are off (%s): using torch's kernels")
+
+
+@cache
+def gemm_kernels() -> ModuleType | None:
+    """A module holding ``q4_linear`` and ``q8_linear`` (:data:`GEMMS`): :func:`kernels`
+    where they run, else the AVX2 build (:data:`AVX2`) where the CPU has AVX2; None where
+    neither runs."""
+    full = kernels()
+    if full is not None or os.environ.get("KVLOOP_NATIVE", "1").strip().lower() in _OFF:
+        return full
+    return _load(AVX2, "kvloop's AVX2 integer GEMMs are off too (%s): int4 runs in torch's "
+                 "kernel")
+
+
+def _load(build: Build, off: str) -> ModuleType | None:
+    """``build``, built and loaded; None with ``off`` (a format for the reason) logged."""
+    reason = unavailable_reason(build)
     if reason is not None:
         level = logging.WARNING if " is not one of " in reason else logging.INFO
-        log.log(level, "kvloop's CPU kernels are off (%s): using torch's kernels", reason)
+        log.log(level, off, reason)
         return None
     try:
-        return _build_and_load()
+        return _build_and_load(build)
     except Exception as exc:  # NOTE: any failure (compiler, cache dir) falls back to torch's
-        log.warning("kvloop's CPU kernels are off (%s): using torch's kernels", exc)
+        log.warning(off, exc)
         return None
 
 
-def _build_and_load() -> ModuleType:
+def _build_and_load(build_spec: Build = FULL) -> ModuleType:
     """Compile the sources into this machine's cache (once per source version) and load them.
 
     NOTE: the build directory is named by a hash of the sources and flags, so two checkouts
@@ -121,13 +164,15 @@ def _build_and_load() -> ModuleType:
     from kvloop.engine.model_source import cache_dir
 
     here = Path(__file__).parent
-    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    digest = hashlib.sha256(" ".join(build_spec.cflags).encode())
     for name in sorted(p.name for p in here.iterdir() if p.suffix in (".cpp", ".h")):
         digest.update(name.encode() + (here / name).read_bytes())
     version = f"{sys.version_info[0]}{sys.version_info[1]}"
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{version}-{digest.hexdigest()[:12]}"
+    variant = build_spec.name.removeprefix("kvloop_native").replace("_", "-")
+    tag = (f"torch{torch.__version__.replace('+', '_')}-py{version}{variant}-"
+           f"{digest.hexdigest()[:12]}")
     build = cache_dir() / "native" / tag
-    built = build / "kvloop_native.so"
+    built = build / f"{build_spec.name}.so"
     failed = build / "build-failed.txt"
     compiler = os.environ.get("CXX", "c++")
     if failed.exists():
@@ -140,7 +185,7 @@ def _build_and_load() -> ModuleType:
         lock = open(build / "kvloop.lock", "w")  # noqa: SIM115 (held across the build)
     except OSError:
         if built.exists():  # NOTE: a read-only cache that holds a finished build
-            return _import(built)
+            return _import(built, build_spec.name)
         raise
     with lock:
         try:
@@ -159,8 +204,9 @@ def _build_and_load() -> ModuleType:
         _ninja_on_path()
         start = time.perf_counter()
         try:
-            module = load(name="kvloop_native", sources=[str(here / s) for s in _SOURCES],
-                          extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+            module = load(name=build_spec.name,
+                          sources=[str(here / s) for s in build_spec.sources],
+                          extra_cflags=list(build_spec.cflags), extra_ldflags=["-fopenmp"],
                           build_directory=str(build), verbose=False)
         except Exception as exc:
             failed.write_text(f"{_COMPILER}{_fingerprint(compiler)}\n"
@@ -201,9 +247,10 @@ def _failed_with(marker: Path) -> str | None:
     return first[len(_COMPILER):] if first.startswith(_COMPILER) else None
 
 
-def _import(path: Path) -> ModuleType:
-    """The built kernels at ``path``, imported without touching their (read-only) folder."""
-    spec = importlib.util.spec_from_file_location("kvloop_native", path)
+def _import(path: Path, name: str) -> ModuleType:
+    """The built kernels ``name`` at ``path``, imported without touching their (read-only)
+    folder."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
@@ -213,8 +260,9 @@ def _import(path: Path) -> ModuleType:
 
 def call(name: str, *args: object) -> None:
     """Run kernel ``name`` of :func:`kernels` (which must have built) on ``args``; under
-    torch's profiler it shows as an op named ``kvloop::<name>``."""
-    fn = getattr(kernels(), name)
+    torch's profiler it shows as an op named ``kvloop::<name>``. The integer GEMMs
+    (:data:`GEMMS`) come from :func:`gemm_kernels`, the others from :func:`kernels`."""
+    fn = getattr(gemm_kernels() if name in GEMMS else kernels(), name)
     # NOTE: a pybind call is invisible to the profiler (it would count as host time); the
     # range is opened only while a profiler runs, as it costs a few µs per call.
     if torch.autograd.profiler._is_profiler_enabled:

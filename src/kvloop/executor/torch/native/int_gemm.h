@@ -3,7 +3,6 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,12 +12,11 @@
 #include <optional>
 #include <vector>
 
+#include "gemm_checks.h"
 #include "simd.h"
 
 namespace kvloop {
 
-constexpr int kGroup = 32;  // input elements sharing one scale
-constexpr int kTile = 16;   // outputs of one tile (one 16-lane vector)
 constexpr int kRows = 4;    // activation rows sharing one pass over an integer tile's weights
 
 // x[m, k] ~ s[m, g] * a[m, k], g = k / 32, a in -127..127 (stored + 128 as unsigned bytes
@@ -120,37 +118,6 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Checks shared by the integer GEMMs' entry points.
-inline void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& out) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
-              name, ": layout");
-  TORCH_CHECK(x.size(1) % kGroup == 0 && out.size(1) % kTile == 0 && out.size(0) == x.size(0),
-              name, ": shapes");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), name, ": dtypes");
-}
-
-// The bias's data (float32 [N], contiguous, CPU), or null without one.
-inline const float* bias_data(const char* name, const std::optional<at::Tensor>& bias,
-                              int64_t N) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
-                  bias->is_contiguous() && bias->device().is_cpu(), name, ": bias");
-  return bias->data_ptr<float>();
-}
-
-// run(x, out) with their data typed by the activation dtype (bfloat16 as raw 16 bits).
-template <typename Run>
-void by_activation_dtype(const char* name, const at::Tensor& x, at::Tensor& out, Run&& run) {
-  if (x.scalar_type() == at::kBFloat16) {
-    run(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-        reinterpret_cast<uint16_t*>(out.data_ptr()));
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be bfloat16 or float32");
-    run(x.data_ptr<float>(), out.data_ptr<float>());
-  }
-}
-
 // The body of an integer GEMM's entry point: checks x, out, the weights (``packed``, ``bits``
 // per weight, and two per-(output, group) tensors: float32 ``scales`` and ``extra``) and the
 // bias, quantises x's rows (``offset``: as unsigned bytes), then out (+)= the tiles of
@@ -162,15 +129,8 @@ void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
               bool offset, MakeTiles&& make_tiles) {
   check_gemm(name, x, out);
+  check_weights(name, x, out, packed, packed_type, bits, scales, extra, extra_type);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.scalar_type() == packed_type && packed.numel() == N * K * bits / 8 &&
-                  scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
-                  extra.scalar_type() == extra_type && extra.numel() == N * K / kGroup,
-              name, ": W");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && extra.is_contiguous() &&
-                  packed.device().is_cpu() && scales.device().is_cpu() &&
-                  extra.device().is_cpu(),
-              name, ": W must be contiguous CPU tensors");
   const float* b = bias_data(name, bias, N);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
     const QuantRows rows = quantize_rows(xp, M, K, offset);

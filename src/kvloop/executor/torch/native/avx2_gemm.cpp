@@ -1,0 +1,269 @@
+// kvloop's integer GEMMs for CPUs with AVX2 but without AVX-512 VNNI (the build
+// ``kvloop_native_avx2``, compiled with -mavx2 -mfma only): q4_linear and q8_linear on the
+// very layouts of q4_linear.cpp and q8_linear.cpp (packed by native.pack_q4 / pack_q8), with
+// the same arithmetic, so that both builds give the same bits.
+//
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes into 16-bit sums of
+// pairs, vpmaddwd then sums pairs of those into the 32-bit lane of one output (bytes 4n..4n+3
+// of a chunk belong to output n, as vpdpbusd reads them). A 256-bit register holds 8 outputs:
+// a 16-output tile is two halves.
+//   q4: weight codes 0..15 (unsigned) times activation codes -127..127: a pair sums to at most
+//       2 * 15 * 127 = 3810, so the 8 products of a group (4 chunks, 2 nibbles) add up in 16
+//       bits (<= 30480) before one vpmaddwd.
+//   q8: weights -127..127 are signed, so (llama.cpp's trick) |w| is the unsigned operand and
+//       the activation takes w's sign (vpsignb): a pair sums to at most 2 * 127 * 127 = 32258,
+//       each chunk widened at once. The activations stay signed: the offset correction
+//       (``corr``) of the VNNI kernel is not needed.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "gemm_checks.h"
+
+namespace kvloop::avx2 {
+namespace {
+
+constexpr int kRows = 4;  // activation rows sharing one pass over a tile's weights
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float v) { *p = v; }
+// float32 to bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN kept NaN.
+inline void store(uint16_t* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if (std::isnan(v)) {
+    *p = static_cast<uint16_t>((bits | 0x400000u) >> 16);
+    return;
+  }
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+// x[m, k] ~ s[m, g] * a[m, k], a in -127..127 (signed); ssum = s * the group's sum of a.
+// NOTE: the same codes as int_gemm.h's quantize_rows (round to nearest even, a NaN or inf
+// in a group gives codes 0 and scale NaN), so both builds agree to the bit.
+struct QuantRows {
+  std::vector<int8_t> a;
+  std::vector<float> s;
+  std::vector<float> ssum;
+};
+
+template <typename T>
+QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      float v[kGroup];
+      float mx = 0.0f;
+      bool bad = false;
+      for (int i = 0; i < kGroup; ++i) {
+        v[i] = to_float(x[m * K + g * kGroup + i]);
+        bad |= !std::isfinite(v[i]);
+        mx = std::max(mx, std::fabs(v[i]));
+      }
+      if (bad) mx = std::numeric_limits<float>::quiet_NaN();
+      const float inv = mx > 0 ? 127.0f / mx : 0.0f;
+      int8_t* dst = q.a.data() + m * K + g * kGroup;
+      int sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int c = static_cast<int>(std::nearbyint(v[i] * inv));  // NOTE: nearest even
+        dst[i] = static_cast<int8_t>(std::clamp(c, -128, 127));
+        sum += dst[i];
+      }
+      q.s[m * G + g] = mx / 127.0f;
+      q.ssum[m * G + g] = q.s[m * G + g] * static_cast<float>(sum);
+    }
+  }
+  return q;
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// Outputs [16 t, 16 t + 16) of rows [m0, m0 + R): acc[2 r + h] holds half h (8 outputs).
+struct Q4Tiles {
+  const uint8_t* packed;
+  const float* scales;
+  const float* mins;
+  const QuantRows& q;
+  int64_t K, G;
+
+  template <int R>
+  void rows(int64_t t, int64_t m0, __m256* acc) const {
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const uint8_t* w = packed + t * G * 256;
+    const float* d = scales + t * G * kTile;
+    const float* mn = mins + t * G * kTile;
+    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i wl[4], wh[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 256 + 64 * c + 32 * h));
+          wl[c] = _mm256_and_si256(v, nib);
+          wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        const __m256 dv = _mm256_loadu_ps(d + g * kTile + 8 * h);
+        const __m256 mv = _mm256_loadu_ps(mn + g * kTile + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          const int8_t* a = q.a.data() + m * K + g * kGroup;
+          __m256i s = _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c) {
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wl[c], broadcast4(a + 8 * c)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wh[c], broadcast4(a + 8 * c + 4)));
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+          __m256& o = acc[2 * r + h];
+          o = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(q.s[m * G + g])), o);
+          o = _mm256_fmadd_ps(mv, _mm256_set1_ps(q.ssum[m * G + g]), o);
+        }
+      }
+    }
+  }
+};
+
+struct Q8Tiles {
+  const int8_t* packed;
+  const float* scales;
+  const QuantRows& q;
+  int64_t K, G;
+
+  template <int R>
+  void rows(int64_t t, int64_t m0, __m256* acc) const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* w = packed + t * G * 512;
+    const float* d = scales + t * G * kTile;
+    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i wv[8], wa[8];
+        for (int c = 0; c < 8; ++c) {
+          wv[c] =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 512 + 64 * c + 32 * h));
+          wa[c] = _mm256_sign_epi8(wv[c], wv[c]);
+        }
+        const __m256 dv = _mm256_loadu_ps(d + g * kTile + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          const int8_t* a = q.a.data() + m * K + g * kGroup;
+          __m256i s = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            const __m256i signed_a = _mm256_sign_epi8(broadcast4(a + 4 * c), wv[c]);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], signed_a),
+                                                      ones));
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(s);
+          __m256& o = acc[2 * r + h];
+          o = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(q.s[m * G + g])), o);
+        }
+      }
+    }
+  }
+};
+
+template <int RM, typename Tiles>
+void rows_of(const Tiles& tiles, int64_t rows, int64_t t, int64_t m0, __m256* acc) {
+  if constexpr (RM > 1) {
+    if (rows < RM) return rows_of<RM - 1>(tiles, rows, t, m0, acc);
+  }
+  tiles.template rows<RM>(t, m0, acc);
+}
+
+// out[M, N] (+)= the tiles' results (+ bias), rounded once to T: as int_gemm.h's store_tiles.
+template <typename T, typename Tiles>
+void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64_t N,
+                 bool accumulate) {
+  const int64_t tiles_n = N / kTile;
+  at::parallel_for(0, tiles_n, 4, [&](int64_t begin, int64_t end) {
+    __m256 acc[2 * kRows];
+    alignas(32) float y[kTile];
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m0);
+        rows_of<kRows>(tiles, rows, t, m0, acc);
+        for (int64_t r = 0; r < rows; ++r) {
+          _mm256_store_ps(y, acc[2 * r]);
+          _mm256_store_ps(y + 8, acc[2 * r + 1]);
+          T* o = out + (m0 + r) * N + t * kTile;
+          for (int i = 0; i < kTile; ++i) {
+            float v = y[i] + (bias ? bias[t * kTile + i] : 0.0f);
+            if (accumulate) v += to_float(o[i]);
+            store(o + i, v);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename MakeTiles>
+void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
+              at::ScalarType packed_type, int64_t bits, const at::Tensor& scales,
+              const at::Tensor& extra, at::ScalarType extra_type,
+              const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
+              MakeTiles&& make_tiles) {
+  check_gemm(name, x, out);
+  check_weights(name, x, out, packed, packed_type, bits, scales, extra, extra_type);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const float* b = bias_data(name, bias, N);
+  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
+    const QuantRows rows = quantize_rows(xp, M, K);
+    store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);
+  });
+}
+
+}  // namespace
+
+void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+               const at::Tensor& mins, const std::optional<at::Tensor>& bias, at::Tensor& out,
+               bool accumulate) {
+  int_gemm("q4_linear", x, packed, at::kByte, 4, scales, mins, at::kFloat, bias, out,
+           accumulate, [&](const QuantRows& rows, int64_t K) {
+             return Q4Tiles{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                            mins.data_ptr<float>(), rows, K, K / kGroup};
+           });
+}
+
+// NOTE: ``corr`` (the VNNI kernel's offset correction) is checked but not read: the
+// activations enter signed here.
+void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+               const at::Tensor& corr, const std::optional<at::Tensor>& bias, at::Tensor& out,
+               bool accumulate) {
+  int_gemm("q8_linear", x, packed, at::kChar, 8, scales, corr, at::kInt, bias, out, accumulate,
+           [&](const QuantRows& rows, int64_t K) {
+             return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, K,
+                            K / kGroup};
+           });
+}
+
+}  // namespace kvloop::avx2
+
+// NOTE: as module.cpp, the kernels release the GIL while they run.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto free = py::call_guard<py::gil_scoped_release>();
+  m.def("q4_linear", &kvloop::avx2::q4_linear, "out (+)= x @ W.T (+ bias), W in 4 bits", free,
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
+        py::arg("out"), py::arg("accumulate"));
+  m.def("q8_linear", &kvloop::avx2::q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits", free,
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("corr"), py::arg("bias"),
+        py::arg("out"), py::arg("accumulate"));
+}
