@@ -10,11 +10,11 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def _native_kernels_built() -> None:
     """Build kvloop's CPU kernels (``executor.torch.native``, 25-90 s on a clean machine;
-    on a CPU with AVX2 but not AVX-512 VNNI, their AVX2 integer GEMMs) before any test, so
+    their AVX2 build on a CPU with AVX2 but not AVX-512 VNNI) before any test, so
     that no test's timeout (a server's start, a Ray replica) pays for the compilation; a
     machine that cannot build them runs on torch's kernels."""
     if importlib.util.find_spec("torch") is None:
         return
     from kvloop.executor.torch import native
 
-    native.gemm_kernels()  # NOTE: builds kernels() first, the AVX2 GEMMs only without them
+    native.kernels()

@@ -233,7 +233,8 @@ def _in_subprocess(call: str) -> subprocess.CompletedProcess[str]:
     so that a call which crashes does not take pytest down with it."""
     code = (
         "import importlib.util\nimport torch\n"
-        f"spec = importlib.util.spec_from_file_location('kvloop_native', {KERNELS.__file__!r})\n"
+        f"spec = importlib.util.spec_from_file_location({KERNELS.__name__!r}, "
+        f"{KERNELS.__file__!r})\n"
         "k = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(k)\n" + call
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

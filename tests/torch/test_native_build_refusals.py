@@ -16,8 +16,8 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the kernels build on Linux")
 
 BUILD = ("import sys\nfrom kvloop.executor.torch import native\ntry:\n"
-         "    native._build_and_load()\nexcept Exception as exc:\n    print('FAILED', exc)\n"
-         "else:\n    print('BUILT')\n")
+         "    native._build_and_load(native.FULL)\n"
+         "except Exception as exc:\n    print('FAILED', exc)\nelse:\n    print('BUILT')\n")
 LOAD = ("import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
         "from kvloop.executor.torch import native\nprint('LOADED', native.kernels() is not None)\n")
 
@@ -64,3 +64,17 @@ def test_a_failed_build_is_not_retried_until_the_compiler_changes(tmp_path: Path
     assert "FAILED their build failed (" in retried.stdout
     assert "compiling" in retried.stderr, retried.stderr[-800:]
     assert str(second) in markers[0].read_text().splitlines()[0]
+
+
+def test_the_build_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full build where the CPU has AVX-512 VNNI, the AVX2 one where it has AVX2 alone,
+    none (with a reason naming what is missing) elsewhere."""
+    from kvloop.executor.torch import native
+
+    full = native.FULL.required | {"avx2", "fma", "f16c"}
+    for flags, build in [(full, native.FULL), (native.AVX2.required, native.AVX2),
+                         (frozenset({"sse4_2", "avx"}), None)]:
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert native.build_for_cpu() is build
+    assert native.unavailable_reason() == (
+        "the CPU lacks avx512_vnni, avx512bw, avx512dq, avx512f, avx512vl or avx2, f16c, fma")

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gemm_helpers import BF16, GEMMS, q8_args  # noqa: E402
+from native_helpers import BF16, KERNELS, q8_args  # noqa: E402
 
 from kvloop.executor.torch import native  # noqa: E402
 from kvloop.executor.torch.linear import (  # noqa: E402
@@ -107,8 +107,8 @@ def test_q4_linear_agrees_with_torchs_fallback(m: int, monkeypatch: pytest.Monke
     bias = (torch.randn(96, generator=gen) * 0.1).to(BF16)
     x = torch.randn(m, 128, generator=gen).to(BF16)
     fast = Int4Linear(w, bias, BF16)
-    with monkeypatch.context() as patch:  # NOTE: native.gemm_kernels is cached: patch the name
-        patch.setattr(native, "gemm_kernels", lambda: None)
+    with monkeypatch.context() as patch:  # NOTE: native.kernels is cached: patch the name
+        patch.setattr(native, "kernels", lambda: None)
         slow = Int4Linear(w, bias, BF16)
     assert on_kernel(fast) and not on_kernel(slow)
     y_fast, y_slow = fast(x), slow(x)
@@ -317,8 +317,8 @@ def test_make_linear_int8_is_the_kernel_where_it_tiles(monkeypatch: pytest.Monke
         assert y.dtype == BF16 and y.shape == (3, n)
         ref = xk.double() @ (dequantise_q8(w) if tiles else w.to(BF16).double()).t()
         assert rel_err(y, ref) < Q8_TOL
-    with monkeypatch.context() as patch:  # NOTE: native.gemm_kernels is cached: patch the name
-        patch.setattr(native, "gemm_kernels", lambda: None)
+    with monkeypatch.context() as patch:  # NOTE: native.kernels is cached: patch the name
+        patch.setattr(native, "kernels", lambda: None)
         w = torch.randn(48, 64, generator=gen)
         assert not int8_runs(w)
         assert not isinstance(make_linear(w, None, quantization="int8", dtype=BF16), Int8Linear)
@@ -356,9 +356,9 @@ def _q4_args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str
 ], ids=["k-48", "n-24", "m-out", "packed-size", "scales-dtype", "out-dtype", "bias-dtype",
         "bias-size", "float16", "strided-x"])
 def test_q4_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    GEMMS.q4_linear(**_q4_args())  # the unchanged arguments run
+    KERNELS.q4_linear(**_q4_args())  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
-        GEMMS.q4_linear(**_q4_args(**change))
+        KERNELS.q4_linear(**_q4_args(**change))
 
 
 @pytest.mark.parametrize("name", ["packed", "scales", "mins", "bias"])
@@ -370,7 +370,7 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
         "bias": torch.arange(64.0)[::2],
     }[name]
     with pytest.raises(RuntimeError):
-        GEMMS.q4_linear(**_q4_args(**{name: strided}))
+        KERNELS.q4_linear(**_q4_args(**{name: strided}))
 
 
 
@@ -400,9 +400,9 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
         "bias-dtype", "bias-size", "strided-bias", "float16", "strided-x", "strided-out",
         "x-3d"])
 def test_q8_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    GEMMS.q8_linear(**q8_args())  # the unchanged arguments run
+    KERNELS.q8_linear(**q8_args())  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
-        GEMMS.q8_linear(**q8_args(**change))
+        KERNELS.q8_linear(**q8_args(**change))
 
 
 # -- a non-finite value never becomes a finite answer ---------------------------------------

@@ -177,7 +177,7 @@ class Int4Linear:
         q = codes.to(torch.int32).view(out_features, in_features)
         self.in_features, self.out_features = in_features, out_features
         self.bias = bias
-        self.native = out_features % native.TILE == 0 and native.gemm_kernels() is not None
+        self.native = out_features % native.TILE == 0 and native.kernels() is not None
         """Whether kvloop's kernel multiplies this matrix (else torch's)."""
         if self.native:
             self.packed, self.scales, self.lows = native.pack_q4(q, scale, low)
@@ -227,8 +227,8 @@ class Int8Linear:
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
-        if native.gemm_kernels() is None:
-            raise RuntimeError("Int8Linear needs kvloop's CPU kernels (native.gemm_kernels())")
+        if native.kernels() is None:
+            raise RuntimeError("Int8Linear needs kvloop's CPU kernels (native.kernels())")
         self.packed, self.scales, self.corr = native.pack_q8(weight)
         self.bias = bias
         self._bias32 = None if bias is None else bias.float().contiguous()
@@ -256,7 +256,7 @@ def _native_product(kernel: str, x: Tensor, weights: tuple[Tensor, ...], bias: T
 def int8_runs(weight: Tensor) -> bool:
     """Whether :class:`Int8Linear` serves ``weight`` here (CPU, sizes its kernel tiles, the
     kernels built)."""
-    return _tiles(weight) and native.gemm_kernels() is not None
+    return _tiles(weight) and native.kernels() is not None
 
 
 def _tiles(weight: Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""kvloop's own CPU kernels (C++, AVX-512 with VNNI), built on first use.
+"""kvloop's own CPU kernels (C++, AVX-512 with VNNI, or AVX2), built on first use.
 
 torch's CPU build has no kernel for what a small-batch decode step spends its time on
 beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships its own:
@@ -16,12 +16,12 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
 - ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
   where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 only).
 
-On CPUs with AVX2 but without AVX-512 VNNI, a second, smaller build (``avx2_gemm.cpp``,
-:func:`gemm_kernels`) holds ``q4_linear`` and ``q8_linear`` alone, on the same layouts and
-with the same results to the bit; the other kernels are torch's there.
+On CPUs with AVX2 but without AVX-512 VNNI, a second build (:data:`AVX2`) holds the same
+kernels but ``bf16_linear``: the integer GEMMs of ``avx2_gemm.cpp`` (same layouts, same
+bits) and the float kernels over ``simd.h``'s AVX2 vector type.
 
 The sources (``*.cpp`` beside this file) are compiled once per machine and source version
-with ``torch.utils.cpp_extension`` (25–90 s on 2 cores) into
+with ``torch.utils.cpp_extension`` (25–110 s on 2 cores) into
 ``$KVLOOP_CACHE_DIR/native/`` (``~/.cache/kvloop/native`` by default), and loaded from
 there after. Where they cannot run — no AVX-512 VNNI, no C++ compiler, a failed build, an
 unwritable cache, or ``KVLOOP_NATIVE=0`` (for A/B measurements) — :func:`kernels` returns
@@ -49,6 +49,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Build:
     """One build of the kernels: its module name, sources, compiler flags and the CPU
@@ -66,15 +67,17 @@ FULL = Build("kvloop_native",
              ("-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
               "-mavx512vnni"),
              frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
-"""Every kernel, for AVX-512 with VNNI (:func:`kernels`)."""
-AVX2 = Build("kvloop_native_avx2", ("avx2_gemm.cpp",), ("-O3", "-fopenmp", "-mavx2", "-mfma"),
-             frozenset({"avx2", "fma"}))
-"""``q4_linear`` and ``q8_linear`` alone, for CPUs with AVX2 but not the full build's
-features (:func:`gemm_kernels`)."""
-REQUIRED_FLAGS = FULL.required
-"""CPU features the full build is compiled for."""
-GEMMS = frozenset({"q4_linear", "q8_linear"})
-"""The kernels both builds hold."""
+"""Every kernel, for AVX-512 with VNNI."""
+AVX2 = Build("kvloop_native_avx2",
+             ("module.cpp", "avx2_gemm.cpp", "bf16_linear.cpp", "decode_attention.cpp",
+              "layer_ops.cpp", "decode_layers.cpp"),
+             ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
+             frozenset({"avx2", "fma", "f16c"}))
+"""The same kernels for CPUs with AVX2 but not :data:`FULL`'s features: the integer GEMMs
+of ``avx2_gemm.cpp``, the float kernels over ``simd.h``'s AVX2 ``V16``, no ``bf16_linear``
+(``bf16_available()`` is false)."""
+BUILDS = (FULL, AVX2)
+"""The builds :func:`kernels` may use, the first whose CPU features this machine has."""
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 """Cache dtypes ``decode_attention`` reads."""
 
@@ -96,9 +99,13 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("", "1", "true", "yes", "on")
 
 
-def unavailable_reason(build: Build = FULL) -> str | None:
-    """Why ``build`` (by default :func:`kernels`') cannot be built on this machine before
-    trying (None: it may).
+def build_for_cpu() -> Build | None:
+    """The first of :data:`BUILDS` whose CPU features this machine has (None: neither)."""
+    return next((b for b in BUILDS if b.required <= cpu_flags()), None)
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`kernels` cannot build on this machine before trying (None: it may).
 
     NOTE: a ``KVLOOP_NATIVE`` value that is neither on nor off turns them off too, with a
     reason naming the accepted values, rather than being read as either silently."""
@@ -110,46 +117,30 @@ def unavailable_reason(build: Build = FULL) -> str | None:
                 f"{'/'.join(_OFF)} (off)")
     if sys.platform != "linux":
         return f"platform {sys.platform}"
-    missing = build.required - cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if build_for_cpu() is None:
+        lacks = " or ".join(", ".join(sorted(b.required - cpu_flags())) for b in BUILDS)
+        return f"the CPU lacks {lacks}"
     return None
 
 
 @cache
 def kernels() -> ModuleType | None:
-    """The compiled kernels (:data:`FULL`), building them on the first call of a machine;
-    None where they cannot run (module docstring), with the reason logged once."""
-    return _load(FULL, "kvloop's CPU kernels are off (%s): using torch's kernels")
-
-
-@cache
-def gemm_kernels() -> ModuleType | None:
-    """A module holding ``q4_linear`` and ``q8_linear`` (:data:`GEMMS`): :func:`kernels`
-    where they run, else the AVX2 build (:data:`AVX2`) where the CPU has AVX2; None where
-    neither runs."""
-    full = kernels()
-    if full is not None or os.environ.get("KVLOOP_NATIVE", "1").strip().lower() in _OFF:
-        return full
-    return _load(AVX2, "kvloop's AVX2 integer GEMMs are off too (%s): int4 runs in torch's "
-                 "kernel")
-
-
-def _load(build: Build, off: str) -> ModuleType | None:
-    """``build``, built and loaded; None with ``off`` (a format for the reason) logged."""
-    reason = unavailable_reason(build)
+    """The compiled kernels (:func:`build_for_cpu`'s build), building them on the first call
+    of a machine; None where they cannot run (module docstring), with the reason logged
+    once."""
+    reason = unavailable_reason()
     if reason is not None:
         level = logging.WARNING if " is not one of " in reason else logging.INFO
-        log.log(level, off, reason)
+        log.log(level, "kvloop's CPU kernels are off (%s): using torch's kernels", reason)
         return None
     try:
-        return _build_and_load(build)
+        return _build_and_load(build_for_cpu() or FULL)
     except Exception as exc:  # NOTE: any failure (compiler, cache dir) falls back to torch's
-        log.warning(off, exc)
+        log.warning("kvloop's CPU kernels are off (%s): using torch's kernels", exc)
         return None
 
 
-def _build_and_load(build_spec: Build = FULL) -> ModuleType:
+def _build_and_load(build_spec: Build) -> ModuleType:
     """Compile the sources into this machine's cache (once per source version) and load them.
 
     NOTE: the build directory is named by a hash of the sources and flags, so two checkouts
@@ -199,7 +190,7 @@ def _build_and_load(build_spec: Build = FULL) -> ModuleType:
         if fresh:
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C++ compiler ({compiler}) on PATH to build them")
-            print(f"kvloop: compiling its CPU kernels into {build} (once per version, 25-90 "
+            print(f"kvloop: compiling its CPU kernels into {build} (once per version, 25-110 "
                   "s; KVLOOP_NATIVE=0 skips them)...", file=sys.stderr, flush=True)
         _ninja_on_path()
         start = time.perf_counter()
@@ -260,9 +251,8 @@ def _import(path: Path, name: str) -> ModuleType:
 
 def call(name: str, *args: object) -> None:
     """Run kernel ``name`` of :func:`kernels` (which must have built) on ``args``; under
-    torch's profiler it shows as an op named ``kvloop::<name>``. The integer GEMMs
-    (:data:`GEMMS`) come from :func:`gemm_kernels`, the others from :func:`kernels`."""
-    fn = getattr(gemm_kernels() if name in GEMMS else kernels(), name)
+    torch's profiler it shows as an op named ``kvloop::<name>``."""
+    fn = getattr(kernels(), name)
     # NOTE: a pybind call is invisible to the profiler (it would count as host time); the
     # range is opened only while a profiler runs, as it costs a few µs per call.
     if torch.autograd.profiler._is_profiler_enabled:

@@ -1,5 +1,6 @@
 // kvloop's integer GEMMs for CPUs with AVX2 but without AVX-512 VNNI (the build
-// ``kvloop_native_avx2``, compiled with -mavx2 -mfma only): q4_linear and q8_linear on the
+// ``kvloop_native_avx2``, compiled with -mavx2 -mfma only, where they replace q4_linear.cpp
+// and q8_linear.cpp; the other kernels are the same sources over simd.h's AVX2 V16): on the
 // very layouts of q4_linear.cpp and q8_linear.cpp (packed by native.pack_q4 / pack_q8), with
 // the same arithmetic, so that both builds give the same bits.
 //
@@ -16,7 +17,6 @@
 //       (``corr``) of the VNNI kernel is not needed.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,9 +25,16 @@
 #include <vector>
 
 #include "gemm_checks.h"
+#include "kernels.h"
 
-namespace kvloop::avx2 {
 namespace {
+
+using kvloop::bias_data;
+using kvloop::by_activation_dtype;
+using kvloop::check_gemm;
+using kvloop::check_weights;
+using kvloop::kGroup;
+using kvloop::kTile;
 
 constexpr int kRows = 4;  // activation rows sharing one pass over a tile's weights
 
@@ -233,6 +240,8 @@ void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
 
 }  // namespace
 
+// NOTE: the AVX2 build's definitions of kernels.h's q4_linear and q8_linear (in place of
+// q4_linear.cpp and q8_linear.cpp).
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias, at::Tensor& out,
                bool accumulate) {
@@ -253,17 +262,4 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
              return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, K,
                             K / kGroup};
            });
-}
-
-}  // namespace kvloop::avx2
-
-// NOTE: as module.cpp, the kernels release the GIL while they run.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto free = py::call_guard<py::gil_scoped_release>();
-  m.def("q4_linear", &kvloop::avx2::q4_linear, "out (+)= x @ W.T (+ bias), W in 4 bits", free,
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
-        py::arg("out"), py::arg("accumulate"));
-  m.def("q8_linear", &kvloop::avx2::q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits", free,
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("corr"), py::arg("bias"),
-        py::arg("out"), py::arg("accumulate"));
 }

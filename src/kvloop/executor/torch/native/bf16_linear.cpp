@@ -12,14 +12,16 @@
 
 #include <cstring>
 
-#include "int_gemm.h"
+#include "gemm_checks.h"
 #include "kernels.h"
 
-// NOTE: compilers before GCC 10 and Clang 9 lack the AVX-512 BF16 intrinsics: there the
-// kernel is left out (bf16_available() is false) and the other kernels still build.
-#if (defined(__clang__) && __clang_major__ >= 9) || \
-    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+// NOTE: compilers before GCC 10 and Clang 9 lack the AVX-512 BF16 intrinsics, and the AVX2
+// build (no -mavx512f) cannot use them: there the kernel is left out (bf16_available() is
+// false) and the other kernels still build.
+#if defined(__AVX512F__) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #define KVLOOP_BF16 1
+#include "int_gemm.h"
 #else
 #define KVLOOP_BF16 0
 #endif

@@ -15,23 +15,19 @@
 
 namespace {
 
+using kvloop::V16;
+using kvloop::vfmadd;
+using kvloop::vloadu;
+using kvloop::vmul;
+using kvloop::vset1;
+using kvloop::vzero;
+
 constexpr int kMaxHeads = 256;  // query heads of one task
 
 // Software prefetch of the bytes [p, p + n) into L1/L2 (a block's rows, ahead of their use).
 inline void prefetch(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-
-// The sums of the 16 lanes of each of s0..s3, as [sum s0, sum s1, sum s2, sum s3].
-inline __m128 hsum4(__m512 s0, __m512 s1, __m512 s2, __m512 s3) {
-  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(s0, s1), _mm512_unpackhi_ps(s0, s1));
-  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(s2, s3), _mm512_unpackhi_ps(s2, s3));
-  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
-  const __m512 c = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
-  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
 // One task: sequence b, KV heads [h0, h1), each head's g query heads together. Reads the
@@ -47,8 +43,7 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
   const int64_t span = (h1 - h0) * D * sizeof(T);
   for (int64_t j = 0; j < nh; ++j)
     for (int i = 0; i < ND; ++i)
-      _mm512_storeu_ps(qf + j * D + 16 * i,
-                       _mm512_mul_ps(kvloop::load16(q + j * D + 16 * i), _mm512_set1_ps(scale)));
+      kvloop::vstoreu(qf + j * D + 16 * i, vmul(kvloop::load16(q + j * D + 16 * i), vset1(scale)));
   auto slot = [&](const T* base, int64_t t, int64_t h) {
     return base + (blocks[t / block_size] * block_size + t % block_size) * row + (h0 + h) * D;
   };
@@ -64,73 +59,71 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
     int64_t t = 0;
     for (; t + 4 <= L; t += 4) {
       if (h == 0 && t % block_size < 4) prefetch_block(k_base, t + block_size);
-      __m512 kv[4][ND];
+      V16 kv[4][ND];
       for (int j = 0; j < 4; ++j) {
         const T* k = slot(k_base, t + j, h);
         for (int i = 0; i < ND; ++i) kv[j][i] = kvloop::load16(k + 16 * i);
       }
       for (int64_t g = 0; g < G; ++g) {
-        __m512 s[4];
+        V16 s[4];
         for (int j = 0; j < 4; ++j) {
-          s[j] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D), kv[j][0]);
-          for (int i = 1; i < ND; ++i)
-            s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + 16 * i), kv[j][i], s[j]);
+          s[j] = vmul(vloadu(qh + g * D), kv[j][0]);
+          for (int i = 1; i < ND; ++i) s[j] = vfmadd(vloadu(qh + g * D + 16 * i), kv[j][i], s[j]);
         }
-        _mm_storeu_ps(sh + g * ld + t, hsum4(s[0], s[1], s[2], s[3]));
+        _mm_storeu_ps(sh + g * ld + t, kvloop::hsum4(s[0], s[1], s[2], s[3]));
       }
     }
     for (; t < L; ++t) {
       const T* k = slot(k_base, t, h);
       for (int64_t g = 0; g < G; ++g) {
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D), kvloop::load16(k));
+        V16 s = vmul(vloadu(qh + g * D), kvloop::load16(k));
         for (int i = 1; i < ND; ++i)
-          s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + 16 * i), kvloop::load16(k + 16 * i), s);
-        sh[g * ld + t] = _mm512_reduce_add_ps(s);
+          s = vfmadd(vloadu(qh + g * D + 16 * i), kvloop::load16(k + 16 * i), s);
+        sh[g * ld + t] = kvloop::vreduce_add(s);
       }
     }
   }
   float inv_sum[kMaxHeads];
   for (int64_t j = 0; j < nh; ++j) {
     float* s = sc + j * ld;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
+    V16 mx = vset1(-INFINITY);
     int64_t t = 0;
-    for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    float m = _mm512_reduce_max_ps(mx);
+    for (; t + 16 <= L; t += 16) mx = kvloop::vmax(mx, vloadu(s + t));
+    float m = kvloop::vreduce_max(mx);
     for (; t < L; ++t) m = std::max(m, s[t]);
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 vm = _mm512_set1_ps(m);
+    V16 sum = vzero();
+    const V16 vm = vset1(m);
     for (t = 0; t < L; t += 16) {
-      const __mmask16 live = t + 16 <= L ? 0xFFFF : static_cast<__mmask16>((1u << (L - t)) - 1);
-      __m512 e = kvloop::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), vm));
-      e = _mm512_maskz_mov_ps(live, e);
-      _mm512_mask_storeu_ps(s + t, live, e);
-      sum = _mm512_add_ps(sum, e);
+      const int64_t live = std::min<int64_t>(16, L - t);
+      V16 e = kvloop::exp16(kvloop::vsub(kvloop::vloadu_n(s + t, live), vm));
+      e = kvloop::vkeep_n(e, live);
+      kvloop::vstoreu_n(s + t, e, live);
+      sum = kvloop::vadd(sum, e);
     }
-    inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv_sum[j] = 1.0f / kvloop::vreduce_add(sum);
   }
   for (int64_t h = 0; h < h1 - h0; ++h) {
     for (int64_t g0 = 0; g0 < G; g0 += GC) {
       const int gc = static_cast<int>(std::min<int64_t>(GC, G - g0));
       const float* p = sc + (h * G + g0) * ld;
-      __m512 acc[GC][ND];
+      V16 acc[GC][ND];
       for (int j = 0; j < GC; ++j)
-        for (int i = 0; i < ND; ++i) acc[j][i] = _mm512_setzero_ps();
+        for (int i = 0; i < ND; ++i) acc[j][i] = vzero();
       for (int64_t t = 0; t < L; ++t) {
         if (h == 0 && g0 == 0 && t % block_size == 0) prefetch_block(v_base, t + block_size);
         const T* v = slot(v_base, t, h);
-        __m512 vv[ND];
+        V16 vv[ND];
         for (int i = 0; i < ND; ++i) vv[i] = kvloop::load16(v + 16 * i);
         for (int j = 0; j < GC; ++j) {
           if (j >= gc) break;
-          const __m512 w = _mm512_set1_ps(p[j * ld + t]);
-          for (int i = 0; i < ND; ++i) acc[j][i] = _mm512_fmadd_ps(w, vv[i], acc[j][i]);
+          const V16 w = vset1(p[j * ld + t]);
+          for (int i = 0; i < ND; ++i) acc[j][i] = vfmadd(w, vv[i], acc[j][i]);
         }
       }
       for (int j = 0; j < gc; ++j) {
         const int64_t head = h * G + g0 + j;
-        const __m512 inv = _mm512_set1_ps(inv_sum[head]);
-        for (int i = 0; i < ND; ++i)
-          kvloop::store16(out + head * D + 16 * i, _mm512_mul_ps(acc[j][i], inv));
+        const V16 inv = vset1(inv_sum[head]);
+        for (int i = 0; i < ND; ++i) kvloop::store16(out + head * D + 16 * i, vmul(acc[j][i], inv));
       }
     }
   }

@@ -6,7 +6,7 @@
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
 
-#include "int_gemm.h"
+#include "gemm_checks.h"
 #include "kernels.h"
 
 namespace {

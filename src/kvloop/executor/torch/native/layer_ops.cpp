@@ -17,6 +17,14 @@ namespace {
 using kvloop::load16;
 using kvloop::round_to;
 using kvloop::store16;
+using kvloop::V16;
+using kvloop::vadd;
+using kvloop::vdiv;
+using kvloop::vfmadd;
+using kvloop::vmul;
+using kvloop::vset1;
+using kvloop::vsub;
+using kvloop::vzero;
 
 constexpr int64_t kGrain = 16;  // rows per thread task (one row alone stays on the caller)
 
@@ -27,16 +35,16 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, floa
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * H;
-      __m512 ss = _mm512_setzero_ps();
+      V16 ss = vzero();
       for (int64_t i = 0; i < H; i += 16) {
-        const __m512 v = load16(xr + i);
-        ss = _mm512_fmadd_ps(v, v, ss);
+        const V16 v = load16(xr + i);
+        ss = vfmadd(v, v, ss);
       }
-      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps);
-      const __m512 vinv = _mm512_set1_ps(inv);
+      const float inv = 1.0f / std::sqrt(kvloop::vreduce_add(ss) / H + eps);
+      const V16 vinv = vset1(inv);
       for (int64_t i = 0; i < H; i += 16) {
-        const __m512 y = round_to(_mm512_mul_ps(load16(xr + i), vinv), xr);
-        store16(out + r * H + i, _mm512_mul_ps(load16(w + i), y));
+        const V16 y = round_to(vmul(load16(xr + i), vinv), xr);
+        store16(out + r * H + i, vmul(load16(w + i), y));
       }
     }
   });
@@ -54,12 +62,12 @@ void rope_write(T* qkv, const T* cos, const T* sin, T* cache, const int64_t* slo
       for (int64_t h = 0; h < heads + kv; ++h) {
         T* x = row + h * D;
         for (int64_t i = 0; i < half; i += 16) {
-          const __m512 x1 = load16(x + i), x2 = load16(x + half + i);
+          const V16 x1 = load16(x + i), x2 = load16(x + half + i);
           // NOTE: torch rounds after x * cos (mul_) and after + rotated * sin (addcmul_).
-          const __m512 a = round_to(_mm512_mul_ps(x1, load16(c + i)), x);
-          const __m512 b = round_to(_mm512_mul_ps(x2, load16(c + half + i)), x);
-          store16(x + i, _mm512_fmadd_ps(x2, load16(s + i), a));
-          store16(x + half + i, _mm512_fmadd_ps(x1, load16(s + half + i), b));
+          const V16 a = round_to(vmul(x1, load16(c + i)), x);
+          const V16 b = round_to(vmul(x2, load16(c + half + i)), x);
+          store16(x + i, vfmadd(x2, load16(s + i), a));
+          store16(x + half + i, vfmadd(x1, load16(s + half + i), b));
         }
       }
       const int64_t slot = slots[r];
@@ -77,11 +85,11 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * 2 * I;
       for (int64_t i = 0; i < I; i += 16) {
-        const __m512 x = load16(g + i);
-        const __m512 e = kvloop::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const V16 x = load16(g + i);
+        const V16 e = kvloop::exp16(vsub(vzero(), x));
         // NOTE: torch rounds silu(gate) to the dtype before multiplying by up.
-        const __m512 act = round_to(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), g);
-        store16(out + r * I + i, _mm512_mul_ps(act, load16(g + I + i)));
+        const V16 act = round_to(vdiv(x, vadd(vset1(1.0f), e)), g);
+        store16(out + r * I + i, vmul(act, load16(g + I + i)));
       }
     }
   });
