@@ -15,13 +15,13 @@ bandwidth. The layouts:
   SmolLM2-135M, M=1 111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row LM head M=1 4.7 -> 2.1
   ms, M=32 11.0 -> 6.2 ms; float32 gate/up M=1 67 -> 68 µs, M=8 283 -> 155 µs, M=32 784 ->
   553 µs against the output-split ``bmm`` layout it replaced (``docs/benchmarks.md``).
-- :class:`Bf16Linear` (bfloat16 on CPUs with AVX-512 BF16, where kvloop's kernels run):
-  ``W`` in ``vdpbf16ps``'s pair order, multiplied by kvloop's own kernel
-  (``native.bf16_linear``), which streams the weights at the machine's read bandwidth where
-  oneDNN reaches about half of it at decode sizes. Measured on that VM, the 30 layers of
-  SmolLM2-135M with cold weights (``benchmarks/gemv_bandwidth.py``): M=1 6.0 vs oneDNN's
-  14.3 ms, M=8 10.4 vs 15.6 ms, M=32 and up within ±10% of oneDNN (both near the CPU's
-  ``vdpbf16ps`` peak).
+- :class:`Bf16Linear` (bfloat16 on CPUs with AVX-512 BF16, and on AVX2 CPUs through the AVX2
+  build, where kvloop's kernels run): ``W`` in ``vdpbf16ps``'s pair order, multiplied by
+  kvloop's own kernel (``native.bf16_linear``), which streams the weights at the machine's
+  read bandwidth where oneDNN reaches about half of it at decode sizes. Measured on that VM,
+  the 30 layers of SmolLM2-135M with cold weights (``benchmarks/gemv_bandwidth.py``): M=1
+  6.0 vs oneDNN's 14.3 ms, M=8 10.4 vs 15.6 ms, M=32 and up within ±10% of oneDNN (both near
+  the CPU's ``vdpbf16ps`` peak).
 - :class:`Int4Linear` (``quantization="int4"``, CPU, bfloat16 activations): weight-only
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
   min/max, as llama.cpp's Q4_1), through kvloop's own AVX-512 VNNI kernel

@@ -9,7 +9,8 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
 - ``q8_linear``: the same with 8-bit weights (llama.cpp's Q8_0), for the LM head under
   ``--quantization int4`` (``linear.Int8Linear``).
 - ``bf16_linear``: bfloat16 weights times bfloat16 activations with ``vdpbf16ps`` (CPUs with
-  AVX-512 BF16), for the decode-sized products of a bfloat16 model (``linear.Bf16Linear``).
+  AVX-512 BF16; shifts and FMA in the AVX2 build), for the decode-sized products of a
+  bfloat16 model (``linear.Bf16Linear``).
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
   uses it for decode groups (bfloat16 and float32).
@@ -17,8 +18,8 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
   where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 only).
 
 On CPUs with AVX2 but without AVX-512 VNNI, a second build (:data:`AVX2`) holds the same
-kernels but ``bf16_linear``: the integer GEMMs of ``avx2_gemm.cpp`` (same layouts, same
-bits) and the float kernels over ``simd.h``'s AVX2 vector type.
+kernels: the GEMMs of ``avx2_gemm.cpp`` (same layouts; the integer ones give the same bits)
+and the float kernels over ``simd.h``'s AVX2 vector type.
 
 The sources (``*.cpp`` beside this file) are compiled once per machine and source version
 with ``torch.utils.cpp_extension`` (25–110 s on 2 cores) into
@@ -69,13 +70,13 @@ FULL = Build("kvloop_native",
              frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
 """Every kernel, for AVX-512 with VNNI."""
 AVX2 = Build("kvloop_native_avx2",
-             ("module.cpp", "avx2_gemm.cpp", "bf16_linear.cpp", "decode_attention.cpp",
-              "layer_ops.cpp", "decode_layers.cpp"),
+             ("module.cpp", "avx2_gemm.cpp", "decode_attention.cpp", "layer_ops.cpp",
+              "decode_layers.cpp"),
              ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
              frozenset({"avx2", "fma", "f16c"}))
-"""The same kernels for CPUs with AVX2 but not :data:`FULL`'s features: the integer GEMMs
-of ``avx2_gemm.cpp``, the float kernels over ``simd.h``'s AVX2 ``V16``, no ``bf16_linear``
-(``bf16_available()`` is false)."""
+"""The same kernels for CPUs with AVX2 but not :data:`FULL`'s features: the GEMMs of
+``avx2_gemm.cpp`` (4-bit, 8-bit and bfloat16, on the same layouts), the float kernels over
+``simd.h``'s AVX2 ``V16``."""
 BUILDS = (FULL, AVX2)
 """The builds :func:`kernels` may use, the first whose CPU features this machine has."""
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
@@ -321,10 +322,12 @@ def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def bf16_supported() -> bool:
-    """Whether ``bf16_linear`` runs here: the kernels built and the CPU has AVX-512 BF16
-    (``vdpbf16ps``; CPUs with VNNI but without it run the other kernels)."""
+    """Whether ``bf16_linear`` runs here: the kernels built, and either the AVX2 build (its
+    kernel needs only AVX2 and FMA) or a CPU with AVX-512 BF16 (``vdpbf16ps``; CPUs with VNNI
+    but without it run the other kernels)."""
     mod = kernels()
-    return "avx512_bf16" in cpu_flags() and mod is not None and mod.bf16_available()
+    return (mod is not None and mod.bf16_available()
+            and (mod.__name__ == AVX2.name or "avx512_bf16" in cpu_flags()))
 
 
 def pack_bf16(weight: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ using kvloop::check_weights;
 using kvloop::kGroup;
 using kvloop::kTile;
 
-constexpr int kRows = 4;  // activation rows sharing one pass over a tile's weights
+constexpr int kRows = 4;  // activation rows sharing one pass over an integer tile
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) {
@@ -112,6 +112,8 @@ struct Q4Tiles {
   const QuantRows& q;
   int64_t K, G;
 
+  static constexpr int kRows = ::kRows;
+
   template <int R>
   void rows(int64_t t, int64_t m0, __m256* acc) const {
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -154,6 +156,8 @@ struct Q8Tiles {
   const QuantRows& q;
   int64_t K, G;
 
+  static constexpr int kRows = ::kRows;
+
   template <int R>
   void rows(int64_t t, int64_t m0, __m256* acc) const {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -187,6 +191,50 @@ struct Q8Tiles {
   }
 };
 
+// bfloat16 weights in pack_bf16's layout ([N/16][K/2][16][2]: each 32-bit lane holds W[n, 2p]
+// in its low and W[n, 2p + 1] in its high half) times bfloat16 rows, float32 sums: a shift
+// and a mask widen both halves exactly, FMA multiplies (products of bfloat16 values are
+// exact in float32). Even and odd inputs sum apart (independent chains), then add.
+struct Bf16Tiles {
+  const uint16_t* packed;
+  const uint16_t* x;
+  int64_t K;
+
+  static constexpr int kRows = 2;  // 8 sums, 2 weight and 4 row registers
+
+  template <int R>
+  void rows(int64_t t, int64_t m0, __m256* acc) const {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const uint16_t* w = packed + t * K * kTile;
+    __m256 even[2 * R], odd[2 * R];
+    for (int i = 0; i < 2 * R; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < K / 2; ++p) {
+      __m256 xe[R], xo[R];
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, x + (m0 + r) * K + 2 * p, sizeof pair);
+        const uint32_t lo = pair << 16, hi = pair & 0xFFFF0000u;
+        float f_lo, f_hi;
+        std::memcpy(&f_lo, &lo, sizeof f_lo);
+        std::memcpy(&f_hi, &hi, sizeof f_hi);
+        xe[r] = _mm256_set1_ps(f_lo);
+        xo[r] = _mm256_set1_ps(f_hi);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * kTile + 16 * h));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int r = 0; r < R; ++r) {
+          even[2 * r + h] = _mm256_fmadd_ps(we, xe[r], even[2 * r + h]);
+          odd[2 * r + h] = _mm256_fmadd_ps(wo, xo[r], odd[2 * r + h]);
+        }
+      }
+    }
+    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_add_ps(even[i], odd[i]);
+  }
+};
+
 template <int RM, typename Tiles>
 void rows_of(const Tiles& tiles, int64_t rows, int64_t t, int64_t m0, __m256* acc) {
   if constexpr (RM > 1) {
@@ -201,12 +249,13 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
                  bool accumulate) {
   const int64_t tiles_n = N / kTile;
   at::parallel_for(0, tiles_n, 4, [&](int64_t begin, int64_t end) {
-    __m256 acc[2 * kRows];
+    constexpr int RM = Tiles::kRows;
+    __m256 acc[2 * RM];
     alignas(32) float y[kTile];
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m0);
-        rows_of<kRows>(tiles, rows, t, m0, acc);
+      for (int64_t m0 = 0; m0 < M; m0 += RM) {
+        const int64_t rows = std::min<int64_t>(RM, M - m0);
+        rows_of<RM>(tiles, rows, t, m0, acc);
         for (int64_t r = 0; r < rows; ++r) {
           _mm256_store_ps(y, acc[2 * r]);
           _mm256_store_ps(y + 8, acc[2 * r + 1]);
@@ -262,4 +311,18 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
              return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, K,
                             K / kGroup};
            });
+}
+
+bool bf16_available() { return true; }
+
+// NOTE: the AVX2 build's bf16_linear (in place of bf16_linear.cpp's, which needs AVX-512
+// BF16): the same checks, the same packed layout, float32 sums in another order.
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+  kvloop::check_bf16_linear(x, packed, out);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const float* b = bias_data("bf16_linear", bias, N);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K}, b,
+              reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
 }

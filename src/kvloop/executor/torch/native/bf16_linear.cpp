@@ -8,8 +8,6 @@
 // NOTE: vdpbf16ps ignores MXCSR: it reads bfloat16 subnormals as zero and rounds to nearest
 // even. Products of two bfloat16 values are exact in float32; only the order of the float32
 // sums differs from oneDNN's, so outputs agree with torch's to the last bfloat16 step.
-#include <ATen/MemoryOverlap.h>
-
 #include <cstring>
 
 #include "gemm_checks.h"
@@ -93,18 +91,9 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
   // NOTE: without this check a CPU lacking AVX-512 BF16 would die of SIGILL.
   TORCH_CHECK(bf16_available(), "bf16_linear: needs AVX-512 BF16 (this CPU or compiler lacks it)");
-  kvloop::check_gemm("bf16_linear", x, out);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  constexpr int64_t tile = kvloop::kTile;
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.size(0) == N / tile && packed.size(1) == K / 2 &&
-                  packed.size(2) == tile && packed.size(3) == 2 && packed.is_contiguous() &&
-                  packed.device().is_cpu(),
-              "bf16_linear: W must be packed [N/16, K/2, 16, 2] (native.pack_bf16)");
-  // NOTE: tiles read x while others store out (q4/q8 read a quantised copy): no aliasing.
-  at::assert_no_overlap(out, x);
+  kvloop::check_bf16_linear(x, packed, out);
 #if KVLOOP_BF16
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* b = kvloop::bias_data("bf16_linear", bias, N);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   kvloop::store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K},

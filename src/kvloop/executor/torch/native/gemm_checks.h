@@ -2,6 +2,7 @@
 // the AVX2 builds both include it).
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -59,6 +60,21 @@ inline void check_weights(const char* name, const at::Tensor& x, const at::Tenso
                   packed.device().is_cpu() && scales.device().is_cpu() &&
                   extra.device().is_cpu(),
               name, ": W must be contiguous CPU tensors");
+}
+
+// The operands of bf16_linear: bfloat16 x and out, W packed [N/16, K/2, 16, 2].
+inline void check_bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& out) {
+  check_gemm("bf16_linear", x, out);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bfloat16");
+  const int64_t K = x.size(1), N = out.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(0) == N / kTile && packed.size(1) == K / 2 &&
+                  packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.device().is_cpu(),
+              "bf16_linear: W must be packed [N/16, K/2, 16, 2] (native.pack_bf16)");
+  // NOTE: tiles read x while others store out (q4/q8 read a quantised copy): no aliasing.
+  at::assert_no_overlap(out, x);
 }
 
 }  // namespace kvloop
