@@ -197,7 +197,7 @@ struct Q8Tiles {
 // exact in float32). Even and odd inputs sum apart (independent chains), then add.
 struct Bf16Tiles {
   const uint16_t* packed;
-  const uint16_t* x;
+  const float* x;  // the rows widened to float32 once, so that a broadcast is one load
   int64_t K;
 
   static constexpr int kRows = 2;  // 8 sums, 2 weight and 4 row registers
@@ -211,14 +211,8 @@ struct Bf16Tiles {
     for (int64_t p = 0; p < K / 2; ++p) {
       __m256 xe[R], xo[R];
       for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, x + (m0 + r) * K + 2 * p, sizeof pair);
-        const uint32_t lo = pair << 16, hi = pair & 0xFFFF0000u;
-        float f_lo, f_hi;
-        std::memcpy(&f_lo, &lo, sizeof f_lo);
-        std::memcpy(&f_hi, &hi, sizeof f_hi);
-        xe[r] = _mm256_set1_ps(f_lo);
-        xo[r] = _mm256_set1_ps(f_hi);
+        xe[r] = _mm256_broadcast_ss(x + (m0 + r) * K + 2 * p);
+        xo[r] = _mm256_broadcast_ss(x + (m0 + r) * K + 2 * p + 1);
       }
       for (int h = 0; h < 2; ++h) {
         const __m256i v =
@@ -323,6 +317,8 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* b = bias_data("bf16_linear", bias, N);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K}, b,
-              reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xp[i]);
+  store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xf.data(), K},
+              b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
 }
