@@ -124,11 +124,7 @@ def test_int4_needs_inputs_in_whole_groups() -> None:
 def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
-    monkeypatch.setattr(native, "bf16_supported", lambda: False)
     assert loader.resolve_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr(native, "bf16_supported", lambda: True)  # kvloop's own product runs
-    assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(native, "bf16_supported", lambda: False)
     monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
     monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"amx_bf16"}))
@@ -182,17 +178,12 @@ def _snap(w: torch.Tensor) -> torch.Tensor:
 def test_auto_dtype_with_int4_is_bfloat16_and_says_why(llama_model,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"avx2"}))  # no native bf16
-    monkeypatch.setattr(native, "bf16_supported", lambda: False)  # nor kvloop's AVX2 kernel
     runner = make_runner(llama_model, dtype="auto", quantization="int4")
     assert runner.dtype == torch.bfloat16 and runner.dtype_note == "auto: for int4"
     plain = make_runner(llama_model, dtype="auto", quantization="none")
     assert plain.quantization is None and plain.dtype == torch.float32
     assert plain.dtype_note == "auto: no native bfloat16 on this CPU"
     assert make_runner(llama_model, dtype="float32").dtype_note == ""
-    # kvloop's own bfloat16 product (the AVX2 build) makes bfloat16 the fast choice
-    monkeypatch.setattr(native, "bf16_supported", lambda: True)
-    fast = make_runner(llama_model, dtype="auto", quantization="none")
-    assert fast.dtype == torch.bfloat16 and fast.dtype_note == "auto: kvloop's bfloat16 kernel"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")

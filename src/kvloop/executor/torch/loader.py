@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from kvloop.executor.torch import native
 from kvloop.executor.torch.models import ModelConfig, get_model_class
 from kvloop.executor.torch.models.llama import LlamaForCausalLM
 from kvloop.executor.torch.native import cpu_flags
@@ -44,37 +43,32 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def auto_dtype_note(device: torch.device, dtype: torch.dtype,
-                    quantization: str | None = None) -> str:
+def auto_dtype_note(device: torch.device, dtype: torch.dtype) -> str:
     """Why ``dtype="auto"`` gave ``dtype`` on ``device``, for status lines."""
     if device.type == "cuda":
         return "auto: CUDA"
     if dtype != torch.bfloat16:
         return "auto: no native bfloat16 on this CPU"
     flags = cpu_flags()
-    isa = "AMX" if "amx_bf16" in flags else "AVX-512-BF16" if "avx512_bf16" in flags else ""
-    if isa:
-        return f"auto: {isa}"
-    return f"auto: for {quantization}" if quantization else "auto: kvloop's bfloat16 kernel"
+    native = "AMX" if "amx_bf16" in flags else "AVX-512-BF16" if "avx512_bf16" in flags else ""
+    return f"auto: {native}" if native else "auto: for int4"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device,
                   quantization: str | None = None) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA, on CPUs with native bfloat16 (AVX-512-BF16, AMX), on
-    CPUs where kvloop's own bfloat16 product runs (``native.bf16_supported()``: the AVX2
-    build) and with a ``quantization`` (int4's kernel takes bfloat16 activations), else
-    float32; or one of float32/bfloat16/float16.
+    """``"auto"``: bfloat16 on CUDA, on CPUs with native bfloat16 (AVX-512-BF16, AMX) and
+    with a ``quantization`` (int4's kernel takes bfloat16 activations), else float32; or one
+    of float32/bfloat16/float16.
 
-    NOTE: elsewhere torch emulates bfloat16 and fp16 is slower still, so float32 is the fast
-    exact-enough choice there."""
+    NOTE: on CPUs without native bfloat16, torch emulates it and fp16 is slower still, so
+    float32 is the fast exact-enough choice there."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}")
         return dtype
     if dtype == "auto":
-        fast = (device.type == "cuda" or cpu_has_native_bf16() or quantization is not None
-                or (device.type == "cpu" and native.bf16_supported()))
-        return torch.bfloat16 if fast else torch.float32
+        native = device.type == "cuda" or cpu_has_native_bf16() or quantization is not None
+        return torch.bfloat16 if native else torch.float32
     try:
         return DTYPES[dtype]
     except KeyError:

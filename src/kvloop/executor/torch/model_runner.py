@@ -110,7 +110,7 @@ class TorchModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, quantization)
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
-        self.dtype_note = auto_dtype_note(self.device, self.dtype, quantization) if auto else ""
+        self.dtype_note = auto_dtype_note(self.device, self.dtype) if auto else ""
         """Why ``auto`` chose this dtype (empty when the dtype was given)."""
         self.seed = seed
         self.block_size = block_size
