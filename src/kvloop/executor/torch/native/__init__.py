@@ -24,10 +24,10 @@ and the float kernels over ``simd.h``'s AVX2 vector type.
 The sources (``*.cpp`` beside this file) are compiled once per machine and source version
 with ``torch.utils.cpp_extension`` (25–110 s on 2 cores) into
 ``$KVLOOP_CACHE_DIR/native/`` (``~/.cache/kvloop/native`` by default), and loaded from
-there after. Where they cannot run — no AVX-512 VNNI, no C++ compiler, a failed build, an
-unwritable cache, or ``KVLOOP_NATIVE=0`` (for A/B measurements) — :func:`kernels` returns
-None, logs why once, and kvloop uses torch's kernels: same results up to rounding, slower.
-The kernels release the GIL while they run.
+there after. Where they cannot run — neither AVX-512 VNNI nor AVX2, no C++ compiler, a
+failed build, an unwritable cache, or ``KVLOOP_NATIVE=0`` (for A/B measurements) —
+:func:`kernels` returns None, logs why once, and kvloop uses torch's kernels: same results
+up to rounding, slower. The kernels release the GIL while they run.
 """
 
 from __future__ import annotations
@@ -100,6 +100,12 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("", "1", "true", "yes", "on")
 
 
+def _env_choice() -> bool | None:
+    """``KVLOOP_NATIVE`` read as on (True, also when unset), off (False) or neither (None)."""
+    value = os.environ.get("KVLOOP_NATIVE", "1").strip().lower()
+    return True if value in _ON else False if value in _OFF else None
+
+
 def build_for_cpu() -> Build | None:
     """The first of :data:`BUILDS` whose CPU features this machine has (None: neither)."""
     return next((b for b in BUILDS if b.required <= cpu_flags()), None)
@@ -110,10 +116,10 @@ def unavailable_reason() -> str | None:
 
     NOTE: a ``KVLOOP_NATIVE`` value that is neither on nor off turns them off too, with a
     reason naming the accepted values, rather than being read as either silently."""
-    value = os.environ.get("KVLOOP_NATIVE", "1")
-    if value.strip().lower() in _OFF:
+    choice, value = _env_choice(), os.environ.get("KVLOOP_NATIVE", "1")
+    if choice is False:
         return f"KVLOOP_NATIVE={value}"
-    if value.strip().lower() not in _ON:
+    if choice is None:
         return (f"KVLOOP_NATIVE={value!r} is not one of {'/'.join(_ON[1:])} (on) or "
                 f"{'/'.join(_OFF)} (off)")
     if sys.platform != "linux":
@@ -131,7 +137,7 @@ def kernels() -> ModuleType | None:
     once."""
     reason = unavailable_reason()
     if reason is not None:
-        level = logging.WARNING if " is not one of " in reason else logging.INFO
+        level = logging.WARNING if _env_choice() is None else logging.INFO
         log.log(level, "kvloop's CPU kernels are off (%s): using torch's kernels", reason)
         return None
     try:

@@ -75,25 +75,11 @@ inline void store_bf16(uint16_t* p, V16 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
 
-// exp(x) with x clamped to [-87, 88] (softmax, SiLU); relative error ~2e-7.
-inline V16 exp16(V16 x) {
-  // NOTE: max/min return their second operand when one is NaN: x second keeps a NaN.
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  // exp(r) on |r| <= ln2/2: Taylor to degree 7.
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// x rounded to the nearest integer (ties to even); p * 2^n for integral n.
+inline V16 vround(V16 x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline V16 vscale2(V16 p, V16 n) { return _mm512_scalef_ps(p, n); }
 
 #else  // AVX2 and FMA: a V16 is two 8-lane halves, every operation done on each
 
@@ -193,32 +179,39 @@ inline void store_bf16(uint16_t* p, V16 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
 }
 
-inline __m256 exp8(__m256 x) {
-  // NOTE: max/min return their second operand when one is NaN: x second keeps a NaN.
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  // NOTE: n is in -126..127 after the clamp: 2^n built in the exponent field is exact
-  // (scalef's job on AVX-512). A NaN x gives a NaN p, which the product keeps.
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                       _mm256_set1_epi32(127)), 23);
+inline __m256 round8(__m256 x) {
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline V16 vround(V16 x) { return {round8(x.lo), round8(x.hi)}; }
+// NOTE: n in -126..127 (exp16's clamp): 2^n built in the exponent field is exact (scalef's
+// job on AVX-512). A NaN p stays NaN in the product.
+inline __m256 scale8(__m256 p, __m256 n) {
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-
-// exp(x) with x clamped to [-87, 88] (softmax, SiLU); relative error ~2e-7.
-inline V16 exp16(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+inline V16 vscale2(V16 p, V16 n) { return {scale8(p.lo, n.lo), scale8(p.hi, n.hi)}; }
 
 #endif
+
+// exp(x) with x clamped to [-87, 88] (softmax, SiLU); relative error ~2e-7.
+inline V16 exp16(V16 x) {
+  // NOTE: max/min return their second operand when one is NaN: x second keeps a NaN.
+  x = vmin(vset1(88.0f), vmax(vset1(-87.0f), x));
+  const V16 n = vround(vmul(x, vset1(1.44269504088896341f)));
+  V16 r = vfnmadd(n, vset1(0.693145751953125f), x);
+  r = vfnmadd(n, vset1(1.428606765330187e-06f), r);
+  // exp(r) on |r| <= ln2/2: Taylor to degree 7.
+  V16 p = vset1(1.0f / 5040);
+  p = vfmadd(p, r, vset1(1.0f / 720));
+  p = vfmadd(p, r, vset1(1.0f / 120));
+  p = vfmadd(p, r, vset1(1.0f / 24));
+  p = vfmadd(p, r, vset1(1.0f / 6));
+  p = vfmadd(p, r, vset1(0.5f));
+  p = vfmadd(p, r, vset1(1.0f));
+  p = vfmadd(p, r, vset1(1.0f));
+  return vscale2(p, n);
+}
 
 inline V16 load16(const float* p) { return vloadu(p); }
 inline V16 load16(const uint16_t* p) { return load_bf16(p); }
