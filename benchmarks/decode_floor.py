@@ -30,7 +30,8 @@ from kvloop.sampling_params import SamplingParams
 
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm",
             "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu",
-            "kvloop::q4_linear", "kvloop::q8_linear", "kvloop::bf16_linear"}
+            "kvloop::q4_linear", "kvloop::q8_linear", "kvloop::bf16_linear",
+            "kvloop::f32_linear"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                  "aten::index_copy_", "kvloop::decode_attention"}
 

@@ -13,6 +13,7 @@ from kvloop.executor.torch import loader, native  # noqa: E402
 from kvloop.executor.torch.linear import (  # noqa: E402
     Bf16Linear,
     DenseLinear,
+    F32Linear,
     Int4Linear,
     PackedLinear,
     check_quantization,
@@ -63,13 +64,15 @@ def test_packed_layout_equals_dense(rows: int, with_bias: bool, dtype: torch.dty
 
 def test_make_linear_picks_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(64, 32)
-    assert isinstance(make_linear(w, None), PackedLinear)
+    kernels = native.kernels() is not None
+    assert isinstance(make_linear(w, None), F32Linear if kernels else PackedLinear)
     bf16 = Bf16Linear if native.bf16_supported() else PackedLinear if BF16_PACKS else DenseLinear
     assert isinstance(make_linear(w.bfloat16(), None), bf16)
     assert isinstance(make_linear(w.half(), None), DenseLinear)
     assert isinstance(make_linear(w, None, quantization="int4"), Int4Linear)
-    # Without kvloop's bfloat16 kernel (tested in test_native_bf16), oneDNN's packed layout.
+    # Without kvloop's kernels (tested in test_native_float_linear), oneDNN's packed layout.
     monkeypatch.setattr(native, "bf16_supported", lambda: False)
+    monkeypatch.setattr(native, "kernels", lambda: None)
     assert isinstance(make_linear(w.bfloat16(), None), PackedLinear if BF16_PACKS else DenseLinear)
     # A CPU whose oneDNN does not run bfloat16 (AVX2): dense, and still float32 packed.
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
@@ -195,8 +198,11 @@ def test_cuda_without_cuda_is_a_value_error() -> None:
 @pytest.mark.skipif(native.kernels() is None, reason="kvloop's CPU kernels do not run here")
 def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
     """``kernels_note`` (the "loaded in" line) names each of kvloop's kernels a model runs."""
-    assert make_runner(llama_model, dtype="float32").kernels_note == (
-        "kvloop's CPU kernels: decode_attention")
+    f32 = make_runner(llama_model, dtype="float32")
+    note = f32.kernels_note
+    assert note.startswith("kvloop's CPU kernels: ") and "decode_attention, f32_linear" in note
+    assert ("rms_norm" in note) == f32.model.fused_ops
+    assert ("DecodeLayers" in note) == (f32.model.decode_layers is not None)
     bf16 = make_runner(llama_model, dtype="bfloat16")
     note = bf16.kernels_note
     assert note.startswith("kvloop's CPU kernels: ") and "decode_attention" in note

@@ -1,7 +1,8 @@
 """``native.DecodeLayers`` (``decode_layers.cpp``): a decode step's layers in one call give
-the logits of the Python loop over the same kernels to the bit (bfloat16 and int4 layer
-matrices, with and without q/k/v bias), only steps of decodes read in place take it, and bad
-construction or call arguments are refused with a RuntimeError."""
+the logits of the Python loop over the same kernels to the bit (bfloat16, float32 and int4
+layer matrices, with and without q/k/v bias), only steps of decodes read in place take it,
+float32 through it keeps transformers' greedy tokens, and bad construction or call arguments
+are refused with a RuntimeError."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ torch = pytest.importorskip("torch")
 
 from native_helpers import BF16, KERNELS, LogitRecorder  # noqa: E402
 
-from conftest import build_tiny, drive, llama_config, make_runner, qwen2_config  # noqa: E402
+from conftest import (  # noqa: E402
+    assert_matches,
+    build_tiny,
+    drive,
+    llama_config,
+    make_runner,
+    prompts_of,
+    qwen2_config,
+)
 from kvloop.executor.torch import native  # noqa: E402
 
 # NOTE: head size 32 and sizes in 16s and 32s: the shapes every kernel of the stack tiles.
@@ -36,12 +45,14 @@ def shaped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return build_tiny(tmp_path_factory.mktemp(request.param), config(**SHAPE))
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])
-def test_one_call_gives_the_python_loops_logits(shaped: object, quantization: str | None,
+@pytest.mark.parametrize("dtype, quantization",
+                         [("bfloat16", None), ("bfloat16", "int4"), ("float32", None)])
+def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
+                                                quantization: str | None,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = make_runner(shaped, dtype="bfloat16", quantization=quantization, block_size=16)
+    runner = make_runner(shaped, dtype=dtype, quantization=quantization, block_size=16)
     model = runner.model
-    if quantization is None and not native.bf16_supported():
+    if dtype == "bfloat16" and quantization is None and not native.bf16_supported():
         assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without it"
         pytest.skip("no bf16_linear here: no DecodeLayers for bfloat16 matrices")
     assert model.decode_layers is not None
@@ -61,9 +72,17 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, quantization: st
         assert torch.equal(row, recorder.logits[key]), key
 
 
-def test_float32_has_no_decode_layers(llama_model: object) -> None:
-    """The parity mode (float32) keeps torch's ops: no stack."""
-    assert make_runner(llama_model, dtype="float32").model.decode_layers is None
+def test_float32_through_the_stack_keeps_transformers_greedy_tokens(shaped: object) -> None:
+    """float32 (the greedy-parity dtype) through kvloop's kernels and ``DecodeLayers`` sums
+    in another order than torch: the greedy tokens stay transformers'."""
+    runner = make_runner(shaped, dtype="float32", block_size=16)
+    assert runner.model.decode_layers is not None and runner.model.fused_ops
+    counting = Counting(runner.model.decode_layers)
+    runner.model.decode_layers = counting
+    reqs, _ = drive(runner, prompts_of([5, 17, 3, 40], shaped.vocab_size, seed=9), 12,
+                    arrive_at=[0, 0, 2, 4])
+    assert counting.tokens, "no decode step went through DecodeLayers"
+    assert_matches(shaped, reqs, 12)
 
 
 def _stack_args(layers: int = 1, **change: object) -> dict[str, object]:

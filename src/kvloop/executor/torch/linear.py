@@ -7,9 +7,9 @@ bandwidth. The layouts:
 
 - :class:`DenseLinear`: ``W`` as loaded, ``[out, in]``, one ``F.linear`` (CUDA; CPUs
   without oneDNN; float16 on CPU).
-- :class:`PackedLinear` (float32 and bfloat16 on CPU): ``W`` reordered once into oneDNN's
-  blocked layout for this CPU, then multiplied by oneDNN without the per-call reorder the
-  stock path pays (torch's own CPU compiler packs weights the same way when it freezes a
+- :class:`PackedLinear` (float32 and bfloat16 on CPU where kvloop's kernels do not run):
+  ``W`` reordered once into oneDNN's blocked layout for this CPU, then multiplied by oneDNN
+  without the per-call reorder the stock path pays (torch's own CPU compiler packs weights the same way when it freezes a
   model). On the 2-core AVX-512 VM this was measured on it gave ``F.linear``'s result to the
   bit (M = 1 ... 512) and was faster at every size: bfloat16, fused gate/up of
   SmolLM2-135M, M=1 111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row LM head M=1 4.7 -> 2.1
@@ -22,6 +22,11 @@ bandwidth. The layouts:
   the 30 layers of SmolLM2-135M with cold weights (``benchmarks/gemv_bandwidth.py``): M=1
   6.0 vs oneDNN's 14.3 ms, M=8 10.4 vs 15.6 ms, M=32 and up within ±10% of oneDNN (both near
   the CPU's ``vdpbf16ps`` peak).
+- :class:`F32Linear` (float32 on CPU where kvloop's kernels run, AVX2 or AVX-512): ``W`` in
+  16-output tiles, multiplied by kvloop's FMA kernel (``native.f32_linear``). On a 2-core
+  AVX2 EPYC (Zen 1), the 30 layers of SmolLM2-135M: M=1 19.4 vs oneDNN's 33.2 ms (22 GB/s
+  of weights, near the machine's read bandwidth), M=8 34.0 vs 50.6 ms, M=32 105 vs 121 ms,
+  M=512 within 1% of it.
 - :class:`Int4Linear` (``quantization="int4"``, CPU, bfloat16 activations): weight-only
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
   min/max, as llama.cpp's Q4_1), through kvloop's own AVX-512 VNNI kernel
@@ -109,50 +114,78 @@ def packable(weight: Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-class Bf16Linear:
-    """bfloat16 ``x @ W.T (+ b)`` through kvloop's ``vdpbf16ps`` kernel (module docstring),
-    ``W`` copied once into its layout (``native.pack_bf16``; a tied LM head then holds its
-    weights twice, as with :class:`PackedLinear`). Products are exact in float32 and summed
-    in float32, then rounded once to bfloat16 (with the bias, and with ``out`` in
-    :meth:`add_to_`): the result is torch's up to the order of the float32 sums."""
+class _FloatKernelLinear:
+    """``x @ W.T (+ b)`` through one of kvloop's float kernels (:attr:`kernel`), ``W``
+    copied once into its layout (:attr:`pack`; a tied LM head then holds its weights twice,
+    as with :class:`PackedLinear`), ``x`` and ``W`` in :attr:`dtype`. Products and sums are
+    float32, rounded once to the output (with the bias, and with ``out`` in :meth:`add_to_`):
+    the result is torch's up to the order of the float32 sums."""
+
+    kernel: str
+    """kvloop's kernel (``native``) that multiplies it."""
+    dtype: torch.dtype
+    """The dtype of ``W``, ``x`` and the output."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
-        if not bf16_runs(weight):
-            raise ValueError(f"Bf16Linear needs a bfloat16 CPU matrix of {native.TILE}k rows "
-                             f"and {INT4_GROUP}k columns where kvloop's bfloat16 kernel runs; "
-                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
-        self.packed = native.pack_bf16(weight)
+        if not float_kernel_runs(weight) or weight.dtype != self.dtype:
+            raise ValueError(f"{type(self).__name__} needs a {self.dtype} CPU matrix of "
+                             f"{native.TILE}k rows and {INT4_GROUP}k columns where kvloop's "
+                             f"{self.kernel} runs; got {weight.dtype} {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        self.packed = getattr(native, "pack_" + self.kernel.removesuffix("_linear"))(weight)
         self.bias = bias
         self._bias32 = None if bias is None else bias.float().contiguous()
 
     @property
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.packed, self.bias) if t is not None]
+        """The tensors a product reads (the float32 bias copy, not the loaded bias)."""
+        return [t for t in (self.packed, self._bias32) if t is not None]
 
     @property
     def native_operands(self) -> tuple[str, list[Tensor], Tensor | None]:
         """(kernel, weight tensors, float32 bias) of this matrix in kvloop's kernels (what
         ``native.DecodeLayers`` multiplies)."""
-        return "bf16_linear", [self.packed], self._bias32
+        return self.kernel, [self.packed], self._bias32
 
     def __call__(self, x: Tensor) -> Tensor:
-        return _native_product("bf16_linear", x, (self.packed,), self._bias32,
+        return _native_product(self.kernel, x, (self.packed,), self._bias32,
                                x.new_empty(x.shape[0], self.out_features))
 
     def add_to_(self, out: Tensor, x: Tensor) -> None:
         """``out += x @ W.T (+ b)`` in place (one rounding where ``out`` is contiguous)."""
         if out.is_contiguous():
-            _native_product("bf16_linear", x, (self.packed,), self._bias32, out,
+            _native_product(self.kernel, x, (self.packed,), self._bias32, out,
                             accumulate=True)
         else:
             out.add_(self(x))
 
 
-def bf16_runs(weight: Tensor) -> bool:
-    """Whether :class:`Bf16Linear` serves ``weight`` here (a bfloat16 CPU matrix of sizes its
-    kernel tiles, on a CPU with AVX-512 BF16, the kernels built)."""
-    return weight.dtype == torch.bfloat16 and _tiles(weight) and native.bf16_supported()
+class Bf16Linear(_FloatKernelLinear):
+    """bfloat16 ``x @ W.T (+ b)`` through kvloop's kernel (``native.bf16_linear``:
+    ``vdpbf16ps``, or shifts and FMA in the AVX2 build; module docstring)."""
+
+    kernel = "bf16_linear"
+    dtype = torch.bfloat16
+
+
+class F32Linear(_FloatKernelLinear):
+    """float32 ``x @ W.T (+ b)`` through kvloop's kernel (``native.f32_linear``: FMA over
+    ``[N/16, K, 16]`` tiles; module docstring)."""
+
+    kernel = "f32_linear"
+    dtype = torch.float32
+
+
+def float_kernel_runs(weight: Tensor) -> bool:
+    """Whether :class:`Bf16Linear` (bfloat16) or :class:`F32Linear` (float32) serves
+    ``weight`` here: a CPU matrix of sizes their kernels tile, the kernels built, and for
+    bfloat16 a CPU that runs ``bf16_linear`` (AVX-512 BF16, or the AVX2 build)."""
+    if not _tiles(weight):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return native.bf16_supported()
+    return weight.dtype == torch.float32 and native.kernels() is not None
 
 
 class Int4Linear:
@@ -197,7 +230,7 @@ class Int4Linear:
 
     @property
     def native_operands(self) -> tuple[str, list[Tensor], Tensor | None] | None:
-        """As :attr:`Bf16Linear.native_operands` (None on torch's kernel)."""
+        """As :attr:`F32Linear.native_operands` (None on torch's kernel)."""
         if not self.native:
             return None
         return "q4_linear", [self.packed, self.scales, self.lows], self._bias32
@@ -266,7 +299,7 @@ def _tiles(weight: Tensor) -> bool:
             and in_features % INT4_GROUP == 0)
 
 
-Linear = DenseLinear | PackedLinear | Bf16Linear | Int4Linear | Int8Linear
+Linear = DenseLinear | PackedLinear | Bf16Linear | F32Linear | Int4Linear | Int8Linear
 """One layer matrix in whichever layout :func:`make_linear` chose."""
 
 
@@ -305,8 +338,9 @@ def make_linear(weight: Tensor, bias: Tensor | None, *, quantization: str | None
         return Int8Linear(weight, bias)
     if quantization == "int8":  # NOTE: without kvloop's kernel, the head stays dense
         weight = weight.to(dtype or weight.dtype)
-    if bf16_runs(weight):
-        return Bf16Linear(weight, bias)
+    if float_kernel_runs(weight):
+        kind = Bf16Linear if weight.dtype == torch.bfloat16 else F32Linear
+        return kind(weight, bias)
     if packable(weight):
         try:
             return PackedLinear(weight, bias)

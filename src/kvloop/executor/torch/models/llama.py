@@ -112,13 +112,15 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
-        self.fused_ops = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.fused_ops = (self.device.type == "cpu"
+                          and self.dtype in (torch.bfloat16, torch.float32)
                           and config.hidden_size % 16 == 0 and config.head_dim % 32 == 0
                           and config.intermediate_size % 16 == 0
                           and native.kernels() is not None)
         """A layer's small ops run as kvloop's fused CPU kernels (``native``: RMSNorm, RoPE
-        with the KV write, SiLU·up), rounding where torch's ops round. bfloat16 only: float32
-        keeps torch's ops, the greedy-parity mode."""
+        with the KV write, SiLU·up), rounding where torch's ops round (bfloat16) or in
+        float32 throughout (float32: torch's results up to float32 rounding, so greedy
+        outputs stay transformers')."""
         self.decode_layers = self._decode_layers() if self.fused_ops else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the same kernels as

@@ -11,6 +11,8 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
 - ``bf16_linear``: bfloat16 weights times bfloat16 activations with ``vdpbf16ps`` (CPUs with
   AVX-512 BF16; shifts and FMA in the AVX2 build), for the decode-sized products of a
   bfloat16 model (``linear.Bf16Linear``).
+- ``f32_linear``: float32 weights times float32 activations (FMA), for the decode-sized
+  products of a float32 model (``linear.F32Linear``).
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
   uses it for decode groups (bfloat16 and float32).
@@ -63,15 +65,15 @@ class Build:
 
 
 FULL = Build("kvloop_native",
-             ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp",
+             ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp", "f32_linear.cpp",
               "decode_attention.cpp", "layer_ops.cpp", "decode_layers.cpp"),
              ("-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
               "-mavx512vnni"),
              frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
 """Every kernel, for AVX-512 with VNNI."""
 AVX2 = Build("kvloop_native_avx2",
-             ("module.cpp", "avx2_gemm.cpp", "decode_attention.cpp", "layer_ops.cpp",
-              "decode_layers.cpp"),
+             ("module.cpp", "avx2_gemm.cpp", "f32_linear.cpp", "decode_attention.cpp",
+              "layer_ops.cpp", "decode_layers.cpp"),
              ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
              frozenset({"avx2", "fma", "f16c"}))
 """The same kernels for CPUs with AVX2 but not :data:`FULL`'s features: the GEMMs of
@@ -344,16 +346,24 @@ def pack_bf16(weight: Tensor) -> Tensor:
     return w.permute(0, 2, 1, 3).contiguous()
 
 
+def pack_f32(weight: Tensor) -> Tensor:
+    """``f32_linear``'s layout (``f32_linear.cpp``) of ``weight`` ``[N, K]``:
+    ``[N/16, K, 16]`` float32 (a copy)."""
+    n, k = weight.shape
+    return weight.detach().float().view(n // TILE, TILE, k).transpose(1, 2).contiguous()
+
+
 def decode_layers(norms: list[Tensor], matrices: list[tuple[str, list[Tensor], Tensor | None]],
                   num_heads: int, num_kv_heads: int, head_dim: int,
                   intermediate: int) -> object:
     """A ``DecodeLayers`` (``decode_layers.cpp``): a model's layers run for one decode step
     in one call. ``norms``: each layer's input and post-attention norm weights; ``matrices``:
     each layer's QKV, O, gate/up and down as (kernel, weight tensors, float32 bias), the
-    kernel ``bf16_linear`` or ``q4_linear`` (both packed as ``[N/16, ...]``). The object keeps
-    references to the tensors."""
+    kernel ``bf16_linear``, ``f32_linear`` or ``q4_linear`` (all packed as ``[N/16, ...]``).
+    The object keeps references to the tensors."""
     mod = kernels()
-    kinds = {"bf16_linear": mod.DecodeLayers.BF16, "q4_linear": mod.DecodeLayers.Q4}
+    kinds = {"bf16_linear": mod.DecodeLayers.BF16, "f32_linear": mod.DecodeLayers.F32,
+             "q4_linear": mod.DecodeLayers.Q4}
     return mod.DecodeLayers(norms, [kinds[k] for k, _, _ in matrices],
                             [w for _, w, _ in matrices], [b for _, _, b in matrices],
                             num_heads, num_kv_heads, head_dim, intermediate)

@@ -1,4 +1,4 @@
-// A bfloat16 model's decoder layers for one decode step, in one call: the sequence of
+// A bfloat16 or float32 model's decoder layers for one decode step, in one call: the sequence of
 // LlamaForCausalLM._fused_layers (RMSNorm, QKV, RoPE + KV write, attention read in place,
 // O + residual, RMSNorm, gate/up, SiLU·up, down + residual) without returning to Python
 // between the ~10 kernels of each layer (about a quarter of a one-token step was that
@@ -31,13 +31,13 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> k
                   biases.size() == n,
               "DecodeLayers: 2 norms and 4 matrices per layer");
   for (size_t i = 0; i < n; ++i) {
-    const size_t expected = kinds[i] == kBf16 ? 1 : kinds[i] == kQ4 ? 3 : 0;
+    const size_t expected = kinds[i] == kBf16 || kinds[i] == kF32 ? 1 : kinds[i] == kQ4 ? 3 : 0;
     TORCH_CHECK(expected > 0 && weights[i].size() == expected, "DecodeLayers: matrix ", i,
                 " has kind ", kinds[i], " and ", weights[i].size(), " tensors");
     TORCH_CHECK(kinds[i] != kBf16 || bf16_available(),
                 "DecodeLayers: bfloat16 matrices need AVX-512 BF16");
     TORCH_CHECK(weights[i][0].dim() >= 1, "DecodeLayers: matrix ", i, "'s weights");
-    // NOTE: both layouts are [N/16, ...] (bf16_linear.cpp, q4_linear.cpp); the kernels
+    // NOTE: every layout is [N/16, ...] (bf16_, f32_, q4_linear.cpp); the kernels
     // check the rest of each shape on every call.
     const int64_t out_features = weights[i][0].size(0) * kvloop::kTile;
     mats_.push_back(Matrix{kinds[i], std::move(weights[i]), std::move(biases[i]), out_features});
@@ -54,6 +54,8 @@ void DecodeLayers::linear(const Matrix& m, const at::Tensor& x, at::Tensor& out,
                           bool accumulate) const {
   if (m.kind == kBf16) {
     traced("kvloop::bf16_linear", [&] { bf16_linear(x, m.w[0], m.bias, out, accumulate); });
+  } else if (m.kind == kF32) {
+    traced("kvloop::f32_linear", [&] { f32_linear(x, m.w[0], m.bias, out, accumulate); });
   } else {
     traced("kvloop::q4_linear",
            [&] { q4_linear(x, m.w[0], m.w[1], m.w[2], m.bias, out, accumulate); });

@@ -62,19 +62,35 @@ inline void check_weights(const char* name, const at::Tensor& x, const at::Tenso
               name, ": W must be contiguous CPU tensors");
 }
 
+// The operands of a float GEMM ``name``: x and out of ``dtype`` (called ``dtype_name``), W
+// of ``dtype`` packed as ``shape`` (``layout`` names it in the error).
+inline void check_float_linear(const char* name, at::ScalarType dtype, const char* dtype_name,
+                               const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& out, at::IntArrayRef shape,
+                               const char* layout) {
+  check_gemm(name, x, out);
+  TORCH_CHECK(x.scalar_type() == dtype, name, ": x must be ", dtype_name);
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.sizes() == shape &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              name, ": W must be packed ", layout);
+  // NOTE: tiles read x while others store out (q4/q8 read a quantised copy): no aliasing.
+  at::assert_no_overlap(out, x);
+}
+
 // The operands of bf16_linear: bfloat16 x and out, W packed [N/16, K/2, 16, 2].
 inline void check_bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& out) {
-  check_gemm("bf16_linear", x, out);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16_linear: x must be bfloat16");
-  const int64_t K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                  packed.size(0) == N / kTile && packed.size(1) == K / 2 &&
-                  packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous() &&
-                  packed.device().is_cpu(),
-              "bf16_linear: W must be packed [N/16, K/2, 16, 2] (native.pack_bf16)");
-  // NOTE: tiles read x while others store out (q4/q8 read a quantised copy): no aliasing.
-  at::assert_no_overlap(out, x);
+  const int64_t K = x.dim() == 2 ? x.size(1) : 0, N = out.dim() == 2 ? out.size(1) : 0;
+  check_float_linear("bf16_linear", at::kBFloat16, "bfloat16", x, packed, out,
+                     {N / kTile, K / 2, kTile, 2}, "[N/16, K/2, 16, 2] (native.pack_bf16)");
+}
+
+// The operands of f32_linear: float32 x and out, W packed [N/16, K, 16].
+inline void check_f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& out) {
+  const int64_t K = x.dim() == 2 ? x.size(1) : 0, N = out.dim() == 2 ? out.size(1) : 0;
+  check_float_linear("f32_linear", at::kFloat, "float32", x, packed, out,
+                     {N / kTile, K, kTile}, "[N/16, K, 16] (native.pack_f32)");
 }
 
 }  // namespace kvloop

@@ -23,6 +23,10 @@ bool bf16_available();
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
+// The same with W and x in float32 (see f32_linear.cpp).
+void f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
+
 // A decoder layer's small ops, fused (see layer_ops.cpp).
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -37,13 +41,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache,
 
 // A model's decoder layers for one decode step in one call (see decode_layers.cpp): built
 // once per model from its norms and layer matrices, 4 per layer (qkv, o, gate_up, down),
-// each bfloat16 (``kBf16``: the packed weights) or 4-bit (``kQ4``: packed, scales, mins).
+// each bfloat16 (``kBf16``: the packed weights), float32 (``kF32``: the packed weights) or
+// 4-bit (``kQ4``: packed, scales, mins).
 // NOTE: it holds those tensors: a weight changed in place is seen, a layer matrix replaced
 // by another object is not (build a new one).
 class DecodeLayers {
  public:
   static constexpr int64_t kBf16 = 0;
   static constexpr int64_t kQ4 = 1;
+  static constexpr int64_t kF32 = 2;
 
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                std::vector<std::vector<at::Tensor>> weights,

@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("accumulate"));
   m.def("bf16_linear", &bf16_linear, "out (+)= x @ W.T (+ bias), W and x in bfloat16", kFree,
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));
+  m.def("f32_linear", &f32_linear, "out (+)= x @ W.T (+ bias), W and x in float32", kFree,
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));
   m.def("bf16_available", &bf16_available, "whether bf16_linear runs here");
   m.def("decode_attention", &decode_attention, "one-token attention over paged KV in place",
         kFree, py::arg("q"), py::arg("cache"), py::arg("block_table"),
@@ -36,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),
            py::arg("block_table"), py::arg("context_lens"), py::arg("eps"), py::arg("scale"))
       .def_readonly_static("BF16", &DecodeLayers::kBf16)
-      .def_readonly_static("Q4", &DecodeLayers::kQ4);
+      .def_readonly_static("Q4", &DecodeLayers::kQ4)
+      .def_readonly_static("F32", &DecodeLayers::kF32);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", kFree, py::arg("gate_up"), py::arg("out"));
 }

@@ -1,0 +1,194 @@
+"""kvloop's float GEMMs (``native.bf16_linear`` and ``native.f32_linear``; ``linear.Bf16Linear``
+and ``linear.F32Linear``): exact where the float32 sums are exact (integer-valued operands),
+torch's product up to the order of its float32 sums elsewhere, the residual add rounded
+once, ``make_linear`` choosing them only where they run, a NaN activation poisoning its row
+only, and bad input refused with a RuntimeError (a ValueError naming the matrix from the
+layer classes)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from native_helpers import BF16, KERNELS  # noqa: E402
+
+from kvloop.executor.torch import native  # noqa: E402
+from kvloop.executor.torch.linear import (  # noqa: E402
+    Bf16Linear,
+    F32Linear,
+    float_kernel_runs,
+    make_linear,
+)
+
+F32 = torch.float32
+KINDS = [
+    pytest.param(Bf16Linear, marks=pytest.mark.skipif(
+        not native.bf16_supported(),
+        reason="bf16_linear does not run here (the full build without AVX-512 BF16)")),
+    F32Linear,
+]
+SHAPES = [(16, 32), (48, 96), (64, 256), (160, 64)]
+
+
+def integers(*shape: int, gen: torch.Generator, dtype: torch.dtype, span: int = 8) -> torch.Tensor:
+    """Integers in [-span, span) (exact in bfloat16 and float32): their products and sums
+    stay exact in float32, so a right kernel matches the float64 reference to the bit."""
+    return torch.randint(-span, span, shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 17])
+def test_float_linear_is_exact_on_integers(kind: type, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = integers(n, k, gen=gen, dtype=kind.dtype), integers(m, k, gen=gen, dtype=kind.dtype)
+    bias = integers(n, gen=gen, dtype=kind.dtype)
+    lin = kind(w, bias)
+    ref = x.double() @ w.double().t() + bias.double()
+    # Able to fail: any misplaced weight or input changes an integer sum.
+    assert torch.equal(lin(x), ref.to(kind.dtype))
+    out = integers(m, n, gen=gen, dtype=kind.dtype, span=64)
+    want = (out.double() + ref).to(kind.dtype)
+    lin.add_to_(out, x)
+    assert torch.equal(out, want), "the residual add is rounded once, with the product"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 4, 6, 33])
+def test_float_linear_is_torchs_product(kind: type, m: int) -> None:
+    """Random values: within a rounding step or two of torch's own product (which sums in
+    another order), and close to the float64 reference."""
+    gen = torch.Generator().manual_seed(m)
+    w = (torch.randn(96, 128, generator=gen) * 0.05).to(kind.dtype)
+    x = torch.randn(m, 128, generator=gen).to(kind.dtype)
+    bias = torch.randn(96, generator=gen).to(kind.dtype)
+    y = kind(w, bias)(x)
+    ref = x.double() @ w.double().t() + bias.double()
+    tol = {"atol": 2e-2, "rtol": 1e-2} if kind.dtype == BF16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(y.double(), ref, **tol)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), **tol)
+    # A strided input (the gate half of a fused gate/up output) is accepted (made contiguous).
+    wide = torch.randn(m, 256, generator=gen).to(kind.dtype)
+    assert torch.equal(kind(w, None)(wide[:, :128]), kind(w, None)(wide[:, :128].contiguous()))
+
+
+def test_pack_layouts() -> None:
+    """bfloat16 ``[N/16, K/2, 16, 2]``: the pair of inputs (2p, 2p + 1) of output 16 t + i at
+    ``[t, p, i]``; float32 ``[N/16, K, 16]``: input k of output 16 t + i at ``[t, k, i]``."""
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64)
+    p = native.pack_bf16(w.to(BF16))
+    assert p.shape == (2, 32, 16, 2) and p.is_contiguous()
+    assert torch.equal(p[1, 5, 3], w[16 + 3, 10:12].to(BF16))
+    p = native.pack_f32(w)
+    assert p.shape == (2, 64, 16) and p.is_contiguous()
+    assert torch.equal(p[1, 5], w[16:, 5]) and p[1, 5, 3] == w[19, 5]
+
+
+def test_make_linear_picks_the_float_kernels_where_they_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    bf16 = native.bf16_supported()
+    for n, k, tiles in [(48, 64, True), (24, 64, False), (48, 48, False)]:
+        w = torch.randn(n, k, generator=gen)
+        assert float_kernel_runs(w) is tiles
+        assert isinstance(make_linear(w, None), F32Linear) is tiles, (n, k)
+        assert float_kernel_runs(w.to(BF16)) is (tiles and bf16)
+        assert isinstance(make_linear(w.to(BF16), None), Bf16Linear) is (tiles and bf16)
+    w = torch.randn(48, 64, generator=gen)
+    assert not float_kernel_runs(w.half()), "float16 keeps torch's kernels"
+    with pytest.raises(ValueError, match="Bf16Linear needs"):
+        Bf16Linear(w, None)
+    with pytest.raises(ValueError, match="F32Linear needs"):
+        F32Linear(w.to(BF16), None)
+    if KERNELS.__name__ == native.FULL.name:
+        with monkeypatch.context() as patch:  # a CPU with VNNI but without AVX-512 BF16
+            patch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_vnni"}))
+            assert not native.bf16_supported()
+            assert not isinstance(make_linear(w.to(BF16), None), Bf16Linear)
+            assert isinstance(make_linear(w, None), F32Linear), "float32 needs only FMA"
+    with monkeypatch.context() as patch:  # NOTE: native.kernels is cached: patch the name
+        patch.setattr(native, "kernels", lambda: None)
+        assert not float_kernel_runs(w.to(BF16)) and not float_kernel_runs(w)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_float_linear_propagates_non_finite_activations(kind: type, bad: float) -> None:
+    gen = torch.Generator().manual_seed(5)
+    lin = kind(torch.randn(32, 96, generator=gen).to(kind.dtype), None)
+    x = torch.randn(3, 96, generator=gen).to(kind.dtype)
+    x[1, 40] = bad
+    y = lin(x)
+    assert not y[1].isfinite().any()
+    assert y[0].isfinite().all() and y[2].isfinite().all()
+
+
+def _args(dtype: torch.dtype, m: int = 2, n: int = 32, k: int = 64,
+          **change: object) -> dict[str, object]:
+    packed = (torch.zeros(n // 16, k // 2, 16, 2, dtype=BF16) if dtype == BF16
+              else torch.zeros(n // 16, k, 16))
+    args: dict[str, object] = {
+        "x": torch.randn(m, k).to(dtype),
+        "packed": packed,
+        "bias": None,
+        "out": torch.empty(m, n, dtype=dtype),
+        "accumulate": False,
+    }
+    args.update(change)
+    return args
+
+
+COMMON_BAD = [  # (change given the dtype, message)
+    (lambda d: {"x": torch.randn(2, 48).to(d)}, "shapes"),
+    (lambda d: {"out": torch.empty(3, 32, dtype=d)}, "shapes"),
+    (lambda d: {"out": torch.empty(2, 24, dtype=d)}, "shapes"),
+    (lambda d: {"x": torch.randn(64, 2).to(d).t()}, "layout"),
+    (lambda d: {"bias": torch.zeros(31)}, "bias"),
+    (lambda d: {"bias": torch.zeros(32, dtype=torch.float64)}, "bias"),
+    (lambda d: {"packed": torch.zeros(32, 64, dtype=d)}, "packed"),  # right size, not packed
+]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"x": torch.randn(2, 64), "out": torch.empty(2, 32)}, "bfloat16"),
+    ({"out": torch.empty(2, 32)}, "dtypes"),
+    ({"packed": torch.zeros(2, 31, 16, 2, dtype=BF16)}, "W"),
+    ({"packed": torch.zeros(2, 32, 16, 2)}, "W"),
+    ({"packed": torch.zeros(2, 16, 32, 2, dtype=BF16).transpose(1, 2)}, "W"),
+    ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
+    ({"packed": torch.zeros(2, 16, 32, 2, dtype=BF16)}, "packed"),
+    *[(change(BF16), message) for change, message in COMMON_BAD],
+])
+def test_bf16_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
+    if not native.bf16_supported():
+        pytest.skip("bf16_linear does not run here")
+    with pytest.raises(RuntimeError, match=message):
+        KERNELS.bf16_linear(**_args(BF16, **change))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"x": torch.randn(2, 64).to(BF16), "out": torch.empty(2, 32, dtype=BF16)}, "float32"),
+    ({"out": torch.empty(2, 32, dtype=BF16)}, "dtypes"),
+    ({"packed": torch.zeros(2, 63, 16)}, "W"),
+    ({"packed": torch.zeros(2, 64, 16, dtype=BF16)}, "W"),
+    ({"packed": torch.zeros(2, 16, 64).transpose(1, 2)}, "W"),
+    ({"packed": torch.zeros(2, 16, 64)}, "packed"),  # right size, [N/16, 16, K]
+    *[(change(F32), message) for change, message in COMMON_BAD],
+])
+def test_f32_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        KERNELS.f32_linear(**_args(F32, **change))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float_linear_refuses_aliased_output(kind: type) -> None:
+    """Its tiles read x while others write out: ``out`` overlapping ``x`` would be a wrong
+    answer, so it is refused (the integer GEMMs read a quantised copy and allow it)."""
+    gen = torch.Generator().manual_seed(2)
+    lin = kind(torch.randn(64, 64, generator=gen).to(kind.dtype), None)
+    y = torch.randn(3, 64, generator=gen).to(kind.dtype)
+    before = y.clone()
+    with pytest.raises(RuntimeError, match="single memory location"):
+        lin.add_to_(y, y)
+    assert torch.equal(y, before), "refused before writing anything"
