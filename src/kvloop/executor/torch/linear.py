@@ -9,12 +9,13 @@ bandwidth. The layouts:
   without oneDNN; float16 on CPU).
 - :class:`PackedLinear` (float32 and bfloat16 on CPU where kvloop's kernels do not run):
   ``W`` reordered once into oneDNN's blocked layout for this CPU, then multiplied by oneDNN
-  without the per-call reorder the stock path pays (torch's own CPU compiler packs weights the same way when it freezes a
-  model). On the 2-core AVX-512 VM this was measured on it gave ``F.linear``'s result to the
-  bit (M = 1 ... 512) and was faster at every size: bfloat16, fused gate/up of
-  SmolLM2-135M, M=1 111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row LM head M=1 4.7 -> 2.1
-  ms, M=32 11.0 -> 6.2 ms; float32 gate/up M=1 67 -> 68 µs, M=8 283 -> 155 µs, M=32 784 ->
-  553 µs against the output-split ``bmm`` layout it replaced (``docs/benchmarks.md``).
+  without the per-call reorder the stock path pays (torch's own CPU compiler packs weights
+  the same way when it freezes a model). On the 2-core AVX-512 VM this was measured on it
+  gave ``F.linear``'s result to the bit (M = 1 ... 512) and was faster at every size:
+  bfloat16, fused gate/up of SmolLM2-135M, M=1 111 -> 51 µs, M=32 353 -> 313 µs; its 49k-row
+  LM head M=1 4.7 -> 2.1 ms, M=32 11.0 -> 6.2 ms; float32 gate/up M=1 67 -> 68 µs, M=8 283
+  -> 155 µs, M=32 784 -> 553 µs against the output-split ``bmm`` layout it replaced
+  (``docs/benchmarks.md``).
 - :class:`Bf16Linear` (bfloat16 on CPUs with AVX-512 BF16, and on AVX2 CPUs through the AVX2
   build, where kvloop's kernels run): ``W`` in ``vdpbf16ps``'s pair order, multiplied by
   kvloop's own kernel (``native.bf16_linear``), which streams the weights at the machine's
