@@ -10,7 +10,10 @@ against the read bandwidth of a plain sum over 1 GiB with the same threads:
 - ``bf16 (kvloop's kernel)``: ``Bf16Linear`` (``native.bf16_linear``, ``vdpbf16ps``;
   kvloop's bfloat16 layout on CPUs with AVX-512 BF16);
 - ``bf16 packed``: ``PackedLinear`` (oneDNN, weights reordered once; kvloop's bfloat16
-  layout on other CPUs);
+  layout on other CPUs; only where oneDNN runs bfloat16: AVX-512 or AVX-NE-CONVERT);
+- ``f32 (kvloop's kernel)``: ``F32Linear`` (``native.f32_linear``, FMA; kvloop's float32
+  layout where its kernels run);
+- ``f32 packed``: ``PackedLinear`` in float32 (oneDNN; kvloop's float32 layout elsewhere);
 - ``int8 per-channel``: ``aten._weight_int8pack_mm`` (weight-only int8, one scale per row);
 - ``int4 (kvloop's kernel)``: ``Int4Linear`` (``--quantization int4``) where kvloop's own
   kernel runs (``native.q4_linear``; half a byte per weight plus a float32 scale and offset
@@ -37,7 +40,14 @@ from decode_floor import read_bandwidth
 
 from kvloop.engine.model_source import resolve_model
 from kvloop.executor.torch import native
-from kvloop.executor.torch.linear import INT4_GROUP, Bf16Linear, Int4Linear, PackedLinear
+from kvloop.executor.torch.linear import (
+    INT4_GROUP,
+    Bf16Linear,
+    F32Linear,
+    Int4Linear,
+    PackedLinear,
+    packable,
+)
 from kvloop.executor.torch.models import ModelConfig
 from kvloop.executor.torch.profiler import device_name
 
@@ -98,8 +108,17 @@ def main() -> int:
             bf16 = [Bf16Linear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
             layouts["bf16 (kvloop's kernel)"] = (
                 [lambda m=m: m(rows[m.in_features]) for m in bf16], 2.0)
-        packed = [PackedLinear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
-        layouts["bf16 packed"] = ([lambda m=m: m(rows[m.in_features]) for m in packed], 2.0)
+        if packable(weights[0][0].to(torch.bfloat16)):
+            packed = [PackedLinear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
+            layouts["bf16 packed"] = ([lambda m=m: m(rows[m.in_features]) for m in packed],
+                                      2.0)
+        rows32 = {k: r.float() for k, r in rows.items()}
+        if native.kernels() is not None:
+            f32 = [F32Linear(w, None) for ws in weights for w in ws]
+            layouts["f32 (kvloop's kernel)"] = (
+                [lambda m=m: m(rows32[m.in_features]) for m in f32], 4.0)
+        packed32 = [PackedLinear(w, None) for ws in weights for w in ws]
+        layouts["f32 packed"] = ([lambda m=m: m(rows32[m.in_features]) for m in packed32], 4.0)
         int8 = []
         for ws in weights:
             for w in ws:

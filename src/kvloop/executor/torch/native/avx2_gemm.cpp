@@ -36,8 +36,6 @@ using kvloop::check_weights;
 using kvloop::kGroup;
 using kvloop::kTile;
 
-constexpr int kRows = 4;  // activation rows sharing one pass over an integer tile
-
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -112,7 +110,9 @@ struct Q4Tiles {
   const QuantRows& q;
   int64_t K, G;
 
-  static constexpr int kRows = ::kRows;
+  // NOTE: 2 rows per pass: 4 sums, 4 integer sums, 4 unpacked weight and 2 activation
+  // registers fill AVX2's 16 (4 rows spilled to the stack and ran slower).
+  static constexpr int kRows = 2;
 
   template <int R>
   void rows(int64_t t, int64_t m0, __m256* acc) const {
@@ -122,25 +122,34 @@ struct Q4Tiles {
     const float* mn = mins + t * G * kTile;
     for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      for (int h = 0; h < 2; ++h) {
-        __m256i wl[4], wh[4];
-        for (int c = 0; c < 4; ++c) {
+      __m256i s[2 * R];
+      for (int i = 0; i < 2 * R; ++i) s[i] = _mm256_setzero_si256();
+      // NOTE: not unrolled: GCC would then hoist all 16 products and spill them.
+#pragma GCC unroll 1
+      for (int c = 0; c < 4; ++c) {  // NOTE: both halves of a chunk share the broadcasts
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
           const __m256i v =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 256 + 64 * c + 32 * h));
-          wl[c] = _mm256_and_si256(v, nib);
-          wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          lo[h] = _mm256_and_si256(v, nib);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
         }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = q.a.data() + (m0 + r) * K + g * kGroup + 8 * c;
+          const __m256i al = broadcast4(a), ah = broadcast4(a + 4);
+          for (int h = 0; h < 2; ++h) {
+            s[2 * r + h] = _mm256_add_epi16(
+                s[2 * r + h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], al),
+                                               _mm256_maddubs_epi16(hi[h], ah)));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
         const __m256 dv = _mm256_loadu_ps(d + g * kTile + 8 * h);
         const __m256 mv = _mm256_loadu_ps(mn + g * kTile + 8 * h);
         for (int r = 0; r < R; ++r) {
           const int64_t m = m0 + r;
-          const int8_t* a = q.a.data() + m * K + g * kGroup;
-          __m256i s = _mm256_setzero_si256();
-          for (int c = 0; c < 4; ++c) {
-            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wl[c], broadcast4(a + 8 * c)));
-            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wh[c], broadcast4(a + 8 * c + 4)));
-          }
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[2 * r + h], ones));
           __m256& o = acc[2 * r + h];
           o = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(q.s[m * G + g])), o);
           o = _mm256_fmadd_ps(mv, _mm256_set1_ps(q.ssum[m * G + g]), o);
@@ -156,7 +165,7 @@ struct Q8Tiles {
   const QuantRows& q;
   int64_t K, G;
 
-  static constexpr int kRows = ::kRows;
+  static constexpr int kRows = 2;  // as Q4Tiles: 4 sums and 4 integer sums stay in registers
 
   template <int R>
   void rows(int64_t t, int64_t m0, __m256* acc) const {
@@ -165,26 +174,31 @@ struct Q8Tiles {
     const float* d = scales + t * G * kTile;
     for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      for (int h = 0; h < 2; ++h) {
-        __m256i wv[8], wa[8];
-        for (int c = 0; c < 8; ++c) {
-          wv[c] =
+      __m256i s[2 * R];
+      for (int i = 0; i < 2 * R; ++i) s[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int c = 0; c < 8; ++c) {  // NOTE: both halves of a chunk share the broadcast
+        __m256i wv[2], wa[2];
+        for (int h = 0; h < 2; ++h) {
+          wv[h] =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 512 + 64 * c + 32 * h));
-          wa[c] = _mm256_sign_epi8(wv[c], wv[c]);
+          wa[h] = _mm256_sign_epi8(wv[h], wv[h]);
         }
+        for (int r = 0; r < R; ++r) {
+          const __m256i a = broadcast4(q.a.data() + (m0 + r) * K + g * kGroup + 4 * c);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i signed_a = _mm256_sign_epi8(a, wv[h]);
+            s[2 * r + h] = _mm256_add_epi32(
+                s[2 * r + h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[h], signed_a), ones));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
         const __m256 dv = _mm256_loadu_ps(d + g * kTile + 8 * h);
         for (int r = 0; r < R; ++r) {
-          const int64_t m = m0 + r;
-          const int8_t* a = q.a.data() + m * K + g * kGroup;
-          __m256i s = _mm256_setzero_si256();
-          for (int c = 0; c < 8; ++c) {
-            const __m256i signed_a = _mm256_sign_epi8(broadcast4(a + 4 * c), wv[c]);
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], signed_a),
-                                                      ones));
-          }
-          const __m256 dot = _mm256_cvtepi32_ps(s);
+          const __m256 dot = _mm256_cvtepi32_ps(s[2 * r + h]);
           __m256& o = acc[2 * r + h];
-          o = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(q.s[m * G + g])), o);
+          o = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(q.s[(m0 + r) * G + g])), o);
         }
       }
     }
