@@ -214,32 +214,39 @@ struct Bf16Tiles {
   const float* x;  // the rows widened to float32 once, so that a broadcast is one load
   int64_t K;
 
-  static constexpr int kRows = 2;  // 8 sums, 2 weight and 4 row registers
+  static constexpr int kRows = 4;  // 8 sums, 4 weight and 2 row registers
 
   template <int R>
   void rows(int64_t t, int64_t m0, __m256* acc) const {
+    // NOTE: one row sums even and odd inputs apart (4 chains cover the FMA latency); more
+    // rows share one sum per output vector (2 R chains), so that 4 rows fit 16 registers.
+    constexpr int C = R == 1 ? 2 : 1;
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     const uint16_t* w = packed + t * K * kTile;
-    __m256 even[2 * R], odd[2 * R];
-    for (int i = 0; i < 2 * R; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+    __m256 sum[C][2 * R];
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < 2 * R; ++i) sum[c][i] = _mm256_setzero_ps();
     for (int64_t p = 0; p < K / 2; ++p) {
-      __m256 xe[R], xo[R];
-      for (int r = 0; r < R; ++r) {
-        xe[r] = _mm256_broadcast_ss(x + (m0 + r) * K + 2 * p);
-        xo[r] = _mm256_broadcast_ss(x + (m0 + r) * K + 2 * p + 1);
-      }
+      __m256 we[2], wo[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * kTile + 16 * h));
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        for (int r = 0; r < R; ++r) {
-          even[2 * r + h] = _mm256_fmadd_ps(we, xe[r], even[2 * r + h]);
-          odd[2 * r + h] = _mm256_fmadd_ps(wo, xo[r], odd[2 * r + h]);
+        we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xe = _mm256_broadcast_ss(x + (m0 + r) * K + 2 * p);
+        const __m256 xo = _mm256_broadcast_ss(x + (m0 + r) * K + 2 * p + 1);
+        for (int h = 0; h < 2; ++h) {
+          sum[0][2 * r + h] = _mm256_fmadd_ps(we[h], xe, sum[0][2 * r + h]);
+          sum[C - 1][2 * r + h] = _mm256_fmadd_ps(wo[h], xo, sum[C - 1][2 * r + h]);
         }
       }
     }
-    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_add_ps(even[i], odd[i]);
+    for (int i = 0; i < 2 * R; ++i) {
+      acc[i] = sum[0][i];
+      if constexpr (C == 2) acc[i] = _mm256_add_ps(acc[i], sum[C - 1][i]);
+    }
   }
 };
 
