@@ -17,7 +17,7 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
   uses it for decode groups (bfloat16 and float32).
 - ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
-  where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 only).
+  where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 and float32).
 
 On CPUs with AVX2 but without AVX-512 VNNI, a second build (:data:`AVX2`) holds the same
 kernels: the GEMMs of ``avx2_gemm.cpp`` (same layouts; the integer ones give the same bits)
