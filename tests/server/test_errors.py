@@ -34,7 +34,10 @@ BAD = [
     (C, {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
     (C, {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
     (C, {"prompt": "hi", "stream": "yes"}, 400, "stream", "valid boolean"),
-    (C, {"prompt": 5}, 400, "prompt", "prompt"),
+    (C, {"prompt": 5}, 400, "prompt",
+     "prompt: expected one of str, list[int], list[str], list[list[int]] (got 5)"),
+    (C, {"prompt": [1.5]}, 400, "prompt", "expected one of str, list[int]"),
+    (C, {"prompt": "hi", "stop": 5}, 400, "stop", "stop: expected one of str, list[str]"),
     (C, {"prompt": "hi", "n": 0}, 400, "n", "at least 1"),
     (C, {"prompt": "hi", "n": 65}, 400, "n", "exceeds max_num_seqs"),
     (C, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "[0, max_tok"),
@@ -81,6 +84,16 @@ def test_malformed_json(server: LiveServer, raw: bytes) -> None:
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw", [rb'{"prompt": "\ud800 hi"}', rb'{"prompt": "\udc00"}'])
+def test_lone_surrogate_is_named(server: LiveServer, raw: bytes) -> None:
+    """JSON allows an escaped lone UTF-16 surrogate, Unicode text does not: the 400 says so
+    rather than only the parser's "hex escape" words."""
+    r = httpx.post(f"{server.base_url}/completions", content=raw,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    assert "lone surrogate is not Unicode text" in r.json()["error"]["message"], r.text
 
 
 def test_unknown_route_is_an_openai_404(server: LiveServer) -> None:

@@ -106,7 +106,10 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     kind = first.get("type", "")
     if kind == "json_invalid":
         ctx = first.get("ctx") or {}
-        detail = ctx.get("error", first.get("msg", ""))
+        detail = str(ctx.get("error", first.get("msg", "")))
+        if "hex escape" in detail:  # NOTE: the parser's words for a lone UTF-16 surrogate
+            detail += (" (a \\uD800-\\uDFFF escape must be a high surrogate followed by a low "
+                       "one: a lone surrogate is not Unicode text)")
         return bad_request(f"malformed JSON body: {detail}")
     if kind == "model_type" and not loc:
         return bad_request("the request body must be a JSON object")
@@ -119,7 +122,26 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     # path without those branch names is what the client wrote.
     where = ".".join(p for p in loc if not _is_type_name(p)) or "body"
     got = first.get("input")
+    branches = _union_branches(errors, loc)
+    if len(branches) > 1:  # NOTE: the first branch's message alone ("a valid string") misleads
+        return bad_request(f"{where}: expected one of {', '.join(branches)} (got {got!r})",
+                           param=field)
     return bad_request(f"{where}: {first.get('msg', 'invalid value')} (got {got!r})", param=field)
+
+
+def _union_branches(errors: list[Any], loc: list[str]) -> list[str]:
+    """The branch types of the union ``loc`` (the first error's path) fails, in order: the
+    type names that follow its field path in the errors of that path (empty: no union)."""
+    cut = next((i for i, p in enumerate(loc) if _is_type_name(p)), None)
+    if cut is None:
+        return []
+    prefix, branches = loc[:cut], []
+    for e in errors:
+        path = [str(p) for p in e.get("loc", ()) if p != "body"]
+        if (len(path) > cut and path[:cut] == prefix and _is_type_name(path[cut])
+                and path[cut] not in branches):
+            branches.append(path[cut])
+    return branches
 
 
 def _is_type_name(part: str) -> bool:
