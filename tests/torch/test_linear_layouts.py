@@ -64,8 +64,7 @@ def test_packed_layout_equals_dense(rows: int, with_bias: bool, dtype: torch.dty
 
 def test_make_linear_picks_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(64, 32)
-    kernels = native.kernels() is not None
-    assert isinstance(make_linear(w, None), F32Linear if kernels else PackedLinear)
+    assert isinstance(make_linear(w, None), F32Linear if native.f32_preferred() else PackedLinear)
     bf16 = Bf16Linear if native.bf16_supported() else PackedLinear if BF16_PACKS else DenseLinear
     assert isinstance(make_linear(w.bfloat16(), None), bf16)
     assert isinstance(make_linear(w.half(), None), DenseLinear)

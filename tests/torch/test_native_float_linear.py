@@ -70,7 +70,9 @@ def test_float_linear_is_torchs_product(kind: type, m: int) -> None:
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), **tol)
     # A strided input (the gate half of a fused gate/up output) is accepted (made contiguous).
     wide = torch.randn(m, 256, generator=gen).to(kind.dtype)
-    assert torch.equal(kind(w, None)(wide[:, :128]), kind(w, None)(wide[:, :128].contiguous()))
+    strided = kind(w, None)(wide[:, :128])
+    assert torch.equal(strided, kind(w, None)(wide[:, :128].contiguous()))
+    torch.testing.assert_close(strided, torch.nn.functional.linear(wide[:, :128], w), **tol)
 
 
 def test_pack_layouts() -> None:
@@ -89,10 +91,12 @@ def test_make_linear_picks_the_float_kernels_where_they_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(1)
     bf16 = native.bf16_supported()
+    f32 = native.f32_preferred()
+    assert f32 is (KERNELS.__name__ == native.AVX2.name), "measured faster on AVX2 only"
     for n, k, tiles in [(48, 64, True), (24, 64, False), (48, 48, False)]:
         w = torch.randn(n, k, generator=gen)
         assert float_kernel_runs(w) is tiles
-        assert isinstance(make_linear(w, None), F32Linear) is tiles, (n, k)
+        assert isinstance(make_linear(w, None), F32Linear) is (tiles and f32), (n, k)
         assert float_kernel_runs(w.to(BF16)) is (tiles and bf16)
         assert isinstance(make_linear(w.to(BF16), None), Bf16Linear) is (tiles and bf16)
     w = torch.randn(48, 64, generator=gen)
@@ -106,7 +110,7 @@ def test_make_linear_picks_the_float_kernels_where_they_run(
             patch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_vnni"}))
             assert not native.bf16_supported()
             assert not isinstance(make_linear(w.to(BF16), None), Bf16Linear)
-            assert isinstance(make_linear(w, None), F32Linear), "float32 needs only FMA"
+            assert float_kernel_runs(w), "float32 needs only FMA"
     with monkeypatch.context() as patch:  # NOTE: native.kernels is cached: patch the name
         patch.setattr(native, "kernels", lambda: None)
         assert not float_kernel_runs(w.to(BF16)) and not float_kernel_runs(w)
@@ -192,3 +196,13 @@ def test_float_linear_refuses_aliased_output(kind: type) -> None:
     with pytest.raises(RuntimeError, match="single memory location"):
         lin.add_to_(y, y)
     assert torch.equal(y, before), "refused before writing anything"
+    # Nor may ``out`` overlap the packed weights or the bias the tiles read.
+    name = kind.kernel
+    x = torch.randn(1, 64, generator=gen).to(kind.dtype)
+    flat = lin.packed.view(-1)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        getattr(KERNELS, name)(x, lin.packed, None, flat[:64].view(1, 64), False)
+    bias = torch.zeros(64)
+    if kind.dtype == torch.float32:  # NOTE: a float32 out can be the float32 bias itself
+        with pytest.raises(RuntimeError, match="single memory location"):
+            getattr(KERNELS, name)(x, lin.packed, bias, bias.view(1, 64), False)

@@ -23,8 +23,8 @@ bandwidth. The layouts:
   the 30 layers of SmolLM2-135M with cold weights (``benchmarks/gemv_bandwidth.py``): M=1
   6.0 vs oneDNN's 14.3 ms, M=8 10.4 vs 15.6 ms, M=32 and up within ±10% of oneDNN (both near
   the CPU's ``vdpbf16ps`` peak).
-- :class:`F32Linear` (float32 on CPU where kvloop's kernels run, AVX2 or AVX-512): ``W`` in
-  16-output tiles, multiplied by kvloop's FMA kernel (``native.f32_linear``). On a 2-core
+- :class:`F32Linear` (float32 on CPU through kvloop's AVX2 build; ``native.f32_preferred``):
+  ``W`` in 16-output tiles, multiplied by kvloop's FMA kernel (``native.f32_linear``). On a 2-core
   AVX2 EPYC (Zen 1), the 30 layers of SmolLM2-135M: M=1 19.4 vs oneDNN's 33.2 ms (22 GB/s
   of weights, near the machine's read bandwidth), M=8 34.0 vs 50.6 ms, M=32 105 vs 121 ms,
   M=512 within 1% of it.
@@ -117,10 +117,11 @@ def packable(weight: Tensor) -> bool:
 
 class _FloatKernelLinear:
     """``x @ W.T (+ b)`` through one of kvloop's float kernels (:attr:`kernel`), ``W``
-    copied once into its layout (:attr:`pack`; a tied LM head then holds its weights twice,
-    as with :class:`PackedLinear`), ``x`` and ``W`` in :attr:`dtype`. Products and sums are
-    float32, rounded once to the output (with the bias, and with ``out`` in :meth:`add_to_`):
-    the result is torch's up to the order of the float32 sums."""
+    copied once into its layout (``native.pack_bf16`` / ``pack_f32``; a tied LM head then
+    holds its weights twice, as with :class:`PackedLinear`), ``x`` and ``W`` in
+    :attr:`dtype`. Products and sums are float32, rounded once to the output (with the bias,
+    and with ``out`` in :meth:`add_to_`): the result is torch's up to the order of the
+    float32 sums."""
 
     kernel: str
     """kvloop's kernel (``native``) that multiplies it."""
@@ -135,7 +136,6 @@ class _FloatKernelLinear:
                              f"{self.kernel} runs; got {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")
         self.packed = getattr(native, "pack_" + self.kernel.removesuffix("_linear"))(weight)
-        self.bias = bias
         self._bias32 = None if bias is None else bias.float().contiguous()
 
     @property
@@ -226,7 +226,8 @@ class Int4Linear:
     @property
     def tensors(self) -> list[Tensor]:
         if self.native:
-            return [t for t in (self.packed, self.scales, self.lows, self.bias) if t is not None]
+            return [t for t in (self.packed, self.scales, self.lows, self._bias32)
+                    if t is not None]
         return [t for t in (self.packed, self.scale_zeros, self.bias) if t is not None]
 
     @property
@@ -264,12 +265,12 @@ class Int8Linear:
         if native.kernels() is None:
             raise RuntimeError("Int8Linear needs kvloop's CPU kernels (native.kernels())")
         self.packed, self.scales, self.corr = native.pack_q8(weight)
-        self.bias = bias
         self._bias32 = None if bias is None else bias.float().contiguous()
 
     @property
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.packed, self.scales, self.corr, self.bias) if t is not None]
+        """The tensors a product reads (the float32 bias copy, not the loaded bias)."""
+        return [t for t in (self.packed, self.scales, self.corr, self._bias32) if t is not None]
 
     def __call__(self, x: Tensor) -> Tensor:
         return _native_product("q8_linear", x, (self.packed, self.scales, self.corr),
@@ -339,7 +340,7 @@ def make_linear(weight: Tensor, bias: Tensor | None, *, quantization: str | None
         return Int8Linear(weight, bias)
     if quantization == "int8":  # NOTE: without kvloop's kernel, the head stays dense
         weight = weight.to(dtype or weight.dtype)
-    if float_kernel_runs(weight):
+    if float_kernel_runs(weight) and (weight.dtype == torch.bfloat16 or native.f32_preferred()):
         kind = Bf16Linear if weight.dtype == torch.bfloat16 else F32Linear
         return kind(weight, bias)
     if packable(weight):

@@ -346,6 +346,15 @@ def pack_bf16(weight: Tensor) -> Tensor:
     return w.permute(0, 2, 1, 3).contiguous()
 
 
+def f32_preferred() -> bool:
+    """Whether ``make_linear`` gives float32 matrices to ``f32_linear`` here: the AVX2 build,
+    where it was measured faster than oneDNN's float32 GEMM at every size (1 to 512 rows,
+    ``docs/native-kernels.md``). The full build compiles and tests it too, but it has not
+    been measured against oneDNN on an AVX-512 CPU yet: float32 stays oneDNN's there."""
+    mod = kernels()
+    return mod is not None and mod.__name__ == AVX2.name
+
+
 def pack_f32(weight: Tensor) -> Tensor:
     """``f32_linear``'s layout (``f32_linear.cpp``) of ``weight`` ``[N, K]``:
     ``[N/16, K, 16]`` float32 (a copy)."""

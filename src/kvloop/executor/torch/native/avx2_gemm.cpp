@@ -218,9 +218,10 @@ struct Bf16Tiles {
 
   template <int R>
   void rows(int64_t t, int64_t m0, __m256* acc) const {
-    // NOTE: one row sums even and odd inputs apart (4 chains cover the FMA latency); more
-    // rows share one sum per output vector (2 R chains), so that 4 rows fit 16 registers.
-    constexpr int C = R == 1 ? 2 : 1;
+    // NOTE: up to 2 rows sum even and odd inputs apart (4 R chains cover the FMA latency);
+    // 3 and 4 rows share one sum per output vector (2 R chains), so that they fit 16
+    // registers.
+    constexpr int C = R <= 2 ? 2 : 1;
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     const uint16_t* w = packed + t * K * kTile;
     __m256 sum[C][2 * R];
@@ -295,7 +296,7 @@ void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
   check_gemm(name, x, out);
   check_weights(name, x, out, packed, packed_type, bits, scales, extra, extra_type);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = bias_data(name, bias, N);
+  const float* b = bias_data(name, bias, out);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
     const QuantRows rows = quantize_rows(xp, M, K);
     store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);
@@ -336,7 +337,7 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
   kvloop::check_bf16_linear(x, packed, out);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = bias_data("bf16_linear", bias, N);
+  const float* b = bias_data("bf16_linear", bias, out);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xp[i]);

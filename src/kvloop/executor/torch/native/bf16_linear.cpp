@@ -94,7 +94,7 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   kvloop::check_bf16_linear(x, packed, out);
 #if KVLOOP_BF16
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = kvloop::bias_data("bf16_linear", bias, N);
+  const float* b = kvloop::bias_data("bf16_linear", bias, out);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   kvloop::store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K},
                       b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);

@@ -66,7 +66,7 @@ void f32_linear(const at::Tensor& x, const at::Tensor& packed,
                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
   kvloop::check_f32_linear(x, packed, out);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = kvloop::bias_data("f32_linear", bias, N);
+  const float* b = kvloop::bias_data("f32_linear", bias, out);
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();

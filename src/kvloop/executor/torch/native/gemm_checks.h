@@ -24,12 +24,14 @@ inline void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), name, ": dtypes");
 }
 
-// The bias's data (float32 [N], contiguous, CPU), or null without one.
+// The bias's data (float32 [N], contiguous, CPU, not overlapping ``out``), or null without
+// one.
 inline const float* bias_data(const char* name, const std::optional<at::Tensor>& bias,
-                              int64_t N) {
+                              const at::Tensor& out) {
   if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N &&
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out.size(1) &&
                   bias->is_contiguous() && bias->device().is_cpu(), name, ": bias");
+  at::assert_no_overlap(out, *bias);
   return bias->data_ptr<float>();
 }
 
@@ -73,8 +75,10 @@ inline void check_float_linear(const char* name, at::ScalarType dtype, const cha
   TORCH_CHECK(packed.scalar_type() == dtype && packed.sizes() == shape &&
                   packed.is_contiguous() && packed.device().is_cpu(),
               name, ": W must be packed ", layout);
-  // NOTE: tiles read x while others store out (q4/q8 read a quantised copy): no aliasing.
+  // NOTE: tiles read x (and W) while others store out (q4/q8 read a quantised copy of x): no
+  // aliasing.
   at::assert_no_overlap(out, x);
+  at::assert_no_overlap(out, packed);
 }
 
 // The operands of bf16_linear: bfloat16 x and out, W packed [N/16, K/2, 16, 2].
