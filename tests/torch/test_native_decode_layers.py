@@ -72,16 +72,22 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert torch.equal(row, recorder.logits[key]), key
 
 
-def test_float32_through_the_stack_keeps_transformers_greedy_tokens(shaped: object) -> None:
-    """float32 (the greedy-parity dtype) through kvloop's kernels and ``DecodeLayers`` sums
-    in another order than torch: the greedy tokens stay transformers'."""
+@pytest.mark.parametrize("f32_kernel", [True, False], ids=["f32_linear", "onednn"])
+def test_float32_through_the_stack_keeps_transformers_greedy_tokens(
+        shaped: object, f32_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 (the greedy-parity dtype) through kvloop's fused ops, with its kernel and
+    ``DecodeLayers`` (AVX2) or oneDNN's products (where ``f32_linear`` is not preferred),
+    sums in another order than torch: the greedy tokens stay transformers'."""
+    monkeypatch.setattr(native, "f32_preferred", lambda: f32_kernel)
     runner = make_runner(shaped, dtype="float32", block_size=16)
-    assert runner.model.decode_layers is not None and runner.model.fused_ops
-    counting = Counting(runner.model.decode_layers)
-    runner.model.decode_layers = counting
+    assert runner.model.fused_ops
+    assert (runner.model.decode_layers is not None) is f32_kernel
+    counting = Counting(runner.model.decode_layers) if f32_kernel else None
+    if counting is not None:
+        runner.model.decode_layers = counting
     reqs, _ = drive(runner, prompts_of([5, 17, 3, 40], shaped.vocab_size, seed=9), 12,
                     arrive_at=[0, 0, 2, 4])
-    assert counting.tokens, "no decode step went through DecodeLayers"
+    assert counting is None or counting.tokens, "no decode step went through DecodeLayers"
     assert_matches(shaped, reqs, 12)
 
 
