@@ -42,6 +42,8 @@ bandwidth. The layouts:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -117,14 +119,16 @@ def packable(weight: Tensor) -> bool:
 
 class _FloatKernelLinear:
     """``x @ W.T (+ b)`` through one of kvloop's float kernels (:attr:`kernel`), ``W``
-    copied once into its layout (``native.pack_bf16`` / ``pack_f32``; a tied LM head then
-    holds its weights twice, as with :class:`PackedLinear`), ``x`` and ``W`` in
+    copied once into its layout (:attr:`pack`; a tied LM head then holds its weights twice,
+    as with :class:`PackedLinear`), ``x`` and ``W`` in
     :attr:`dtype`. Products and sums are float32, rounded once to the output (with the bias,
     and with ``out`` in :meth:`add_to_`): the result is torch's up to the order of the
     float32 sums."""
 
     kernel: str
     """kvloop's kernel (``native``) that multiplies it."""
+    pack: Callable[[Tensor], Tensor]
+    """``W`` ``[out, in]`` to the kernel's layout (a copy)."""
     dtype: torch.dtype
     """The dtype of ``W``, ``x`` and the output."""
 
@@ -135,7 +139,7 @@ class _FloatKernelLinear:
                              f"{native.TILE}k rows and {INT4_GROUP}k columns where kvloop's "
                              f"{self.kernel} runs; got {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")
-        self.packed = getattr(native, "pack_" + self.kernel.removesuffix("_linear"))(weight)
+        self.packed = self.pack(weight)
         self._bias32 = None if bias is None else bias.float().contiguous()
 
     @property
@@ -167,6 +171,7 @@ class Bf16Linear(_FloatKernelLinear):
     ``vdpbf16ps``, or shifts and FMA in the AVX2 build; module docstring)."""
 
     kernel = "bf16_linear"
+    pack = staticmethod(native.pack_bf16)
     dtype = torch.bfloat16
 
 
@@ -175,6 +180,7 @@ class F32Linear(_FloatKernelLinear):
     ``[N/16, K, 16]`` tiles; module docstring)."""
 
     kernel = "f32_linear"
+    pack = staticmethod(native.pack_f32)
     dtype = torch.float32
 
 
