@@ -1,5 +1,5 @@
-// Checks and dispatch shared by kvloop's integer GEMMs, free of SIMD code (the AVX-512 and
-// the AVX2 builds both include it).
+// Checks and dispatch shared by kvloop's GEMMs (integer and float), free of SIMD code (the
+// AVX-512 and the AVX2 builds both include it).
 #pragma once
 
 #include <ATen/MemoryOverlap.h>
@@ -14,7 +14,7 @@ namespace kvloop {
 constexpr int kGroup = 32;  // input elements sharing one scale
 constexpr int kTile = 16;   // outputs of one tile (one AVX-512 vector, two AVX2 ones)
 
-// Checks shared by the integer GEMMs' entry points.
+// Checks shared by every GEMM's entry point.
 inline void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
