@@ -7,7 +7,7 @@ the pool. Both paths run in one process, alternating, on the same caches and que
 
 - ``gather + SDPA``: ``attention.paged_attention`` with the gather metadata (each group's
   blocks copied out with ``index_select``, then ``scaled_dot_product_attention``);
-- ``kvloop's kernel``: the same call with ``native_decodes=True`` (``native.decode_attention``
+- ``kvloop's kernel``: the same call with ``native=True`` (``native.decode_attention``
   walks each request's block table in place).
 
 Printed per batch: the median milliseconds of a pass for each path, their ratio, and the
@@ -74,7 +74,7 @@ def main() -> int:
             metas[name], _ = build_metadata(
                 starts=[n - 1 for n in lens], lengths=[1] * batch, block_tables=tables,
                 num_decodes=batch, block_size=BLOCK_SIZE, device=torch.device("cpu"),
-                dtype=dtype, native_decodes=in_place)
+                dtype=dtype, native=in_place)
         times: dict[str, list[float]] = {"gather": [], "kernel": []}
         with torch.inference_mode():
             diff = (paged_attention(q, caches[0], metas["gather"], d**-0.5).float()

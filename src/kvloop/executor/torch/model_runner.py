@@ -124,8 +124,8 @@ class TorchModelRunner:
         cfg = self.model_config
         self.native_attention: bool = not self.flex_attention and native.attention_supported(
             self.device, self.dtype, cfg.head_dim, cfg.num_heads)
-        """Decodes read the KV blocks in place through kvloop's CPU kernel
-        (``native.decode_attention``); prefill chunks still gather."""
+        """Decodes and prefill chunks read the KV blocks in place through kvloop's CPU
+        kernels (``native.decode_attention``, ``native.prefill_attention``)."""
         per_block = block_bytes(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, self.dtype
         )
@@ -329,7 +329,7 @@ class TorchModelRunner:
             device=dev,
             dtype=self.dtype,
             flex_pool_blocks=self.num_gpu_blocks if self.flex_attention else None,
-            native_decodes=self.native_attention,
+            native=self.native_attention,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)

@@ -197,7 +197,7 @@ class Profiler:
         return build_metadata(starts=starts, lengths=lengths, block_tables=tables,
                               num_decodes=num_decodes, block_size=bs, device=self.device,
                               dtype=self.runner.dtype,
-                              native_decodes=self.runner.native_attention)
+                              native=self.runner.native_attention)
 
     # -- 1 and 2: per-token work and GEMMs ----------------------------------------------
     def token_work(self, t: int) -> float:

@@ -320,7 +320,8 @@ def _all_decodes(meta: AttentionMetadata, num_tokens: int) -> bool:
     if len(meta.groups) != 1 or meta.flex_masks is not None:
         return False
     group = meta.groups[0]
-    return group.context_lens is not None and group.num_seqs == num_tokens
+    return (group.context_lens is not None and group.starts is None
+            and group.num_seqs == num_tokens)
 
 
 def _nbytes(tensors: list[Tensor]) -> int:

@@ -16,6 +16,9 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
   blocks in place through the block table (no gathered copy); ``attention.paged_attention``
   uses it for decode groups (bfloat16 and float32).
+- ``prefill_attention``: prefill chunks (causal, after any cached prefix) over their paged
+  KV, read in place the same way, a tile of query rows against each tile of keys with an
+  online softmax; ``attention.paged_attention`` uses it for prefill groups.
 - ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
   where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 and float32).
 
@@ -66,14 +69,15 @@ class Build:
 
 FULL = Build("kvloop_native",
              ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp", "f32_linear.cpp",
-              "decode_attention.cpp", "layer_ops.cpp", "decode_layers.cpp"),
+              "decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
+              "decode_layers.cpp"),
              ("-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
               "-mavx512vnni"),
              frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
 """Every kernel, for AVX-512 with VNNI."""
 AVX2 = Build("kvloop_native_avx2",
              ("module.cpp", "avx2_gemm.cpp", "f32_linear.cpp", "decode_attention.cpp",
-              "layer_ops.cpp", "decode_layers.cpp"),
+              "prefill_attention.cpp", "layer_ops.cpp", "decode_layers.cpp"),
              ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
              frozenset({"avx2", "fma", "f16c"}))
 """The same kernels for CPUs with AVX2 but not :data:`FULL`'s features: the GEMMs of
@@ -82,7 +86,7 @@ AVX2 = Build("kvloop_native_avx2",
 BUILDS = (FULL, AVX2)
 """The builds :func:`kernels` may use, the first whose CPU features this machine has."""
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
-"""Cache dtypes ``decode_attention`` reads."""
+"""Cache dtypes ``decode_attention`` and ``prefill_attention`` read."""
 
 
 @cache
@@ -285,8 +289,8 @@ def _ninja_on_path() -> None:
 
 def attention_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
                         num_heads: int) -> bool:
-    """Whether ``decode_attention`` serves a model of this shape and dtype on ``device``
-    (building the kernels if needed)."""
+    """Whether ``decode_attention`` and ``prefill_attention`` serve a model of this shape and
+    dtype on ``device`` (building the kernels if needed)."""
     return (device.type == "cpu" and dtype in ATTENTION_DTYPES and head_dim % 16 == 0
             and head_dim // 16 in (*range(1, 9), 16) and num_heads <= 256
             and kernels() is not None)

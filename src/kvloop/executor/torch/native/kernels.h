@@ -39,6 +39,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache,
                       const at::Tensor& block_table, const at::Tensor& context_lens,
                       double scale, at::Tensor& out);
 
+// Attention of prefill chunks (tokens [starts[b], context_lens[b]) of each sequence, causal)
+// over their paged context, read in place.
+void prefill_attention(const at::Tensor& q, const at::Tensor& cache,
+                       const at::Tensor& block_table, const at::Tensor& starts,
+                       const at::Tensor& context_lens, double scale, at::Tensor& out);
+
 // A model's decoder layers for one decode step in one call (see decode_layers.cpp): built
 // once per model from its norms and layer matrices, 4 per layer (qkv, o, gate_up, down),
 // each bfloat16 (``kBf16``: the packed weights), float32 (``kF32``: the packed weights) or

@@ -22,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention over paged KV in place",
         kFree, py::arg("q"), py::arg("cache"), py::arg("block_table"),
         py::arg("context_lens"), py::arg("scale"), py::arg("out"));
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of prefill chunks over paged KV in place", kFree, py::arg("q"),
+        py::arg("cache"), py::arg("block_table"), py::arg("starts"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("out"));
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm, fused", kFree, py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("out"));
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, k and v into the cache",

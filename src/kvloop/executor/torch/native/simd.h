@@ -80,6 +80,10 @@ inline V16 vround(V16 x) {
   return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 inline V16 vscale2(V16 p, V16 n) { return _mm512_scalef_ps(p, n); }
+// a <= b ? x : y, lane by lane (false where a or b is NaN).
+inline V16 vselect_le(V16 a, V16 b, V16 x, V16 y) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x);
+}
 
 #else  // AVX2 and FMA: a V16 is two 8-lane halves, every operation done on each
 
@@ -191,6 +195,10 @@ inline __m256 scale8(__m256 p, __m256 n) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline V16 vscale2(V16 p, V16 n) { return {scale8(p.lo, n.lo), scale8(p.hi, n.hi)}; }
+inline V16 vselect_le(V16 a, V16 b, V16 x, V16 y) {
+  return {_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LE_OQ)),
+          _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LE_OQ))};
+}
 
 #endif
 
