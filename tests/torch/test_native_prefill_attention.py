@@ -229,3 +229,12 @@ def test_prefill_attention_refuses_a_chunk_past_its_blocks() -> None:
     proc = _in_subprocess("\n".join(lines) + "\n")
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-400:])
     assert proc.stdout.split("\n")[:-1] == [f"refused {name}" for name in BAD_CHUNKS]
+
+
+def test_prefill_attention_refuses_positions_float32_cannot_hold() -> None:
+    """The causal mask compares positions in float32: a context past 2^24 tokens is refused."""
+    table = torch.zeros(1, (1 << 20) + 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"past 2\^24"):
+        KERNELS.prefill_attention(torch.randn(1, 4, 64), torch.randn(2, 6, 16, 2, 64), table,
+                                  torch.tensor([1 << 24]), torch.tensor([(1 << 24) + 1]), 0.125,
+                                  torch.empty(1, 256))

@@ -131,7 +131,8 @@ void attend(const Task& task, const T* q, int64_t q_stride, const T* k_base, con
     vstoreu(w.m.data() + r, vset1(-INFINITY));
     vstoreu(w.l.data() + r, vzero());
   }
-  // NOTE: positions are exact in float32 up to 2^24 tokens (the mask compares them).
+  // NOTE: positions are exact in float32 up to 2^24 tokens (the mask compares them; the entry
+  // point refuses longer contexts).
   const int64_t first_pos = start + task.first;
   const int64_t end = first_pos + task.count;  // keys [0, end) are seen by some row
   for (int64_t t0 = 0; t0 < end; t0 += kKeys) {
@@ -300,6 +301,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& cache,
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(st[b] >= 0 && lens[b] > st[b] && lens[b] <= block_table.size(1) * bs,
                 "prefill_attention: chunk [", st[b], ", ", lens[b], ") outside the block table");
+    TORCH_CHECK(lens[b] <= (int64_t{1} << 24), "prefill_attention: context of ", lens[b],
+                " tokens: positions past 2^24 are not exact in float32");
     rows += lens[b] - st[b];
     for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j) {
       const int64_t id = table[b * block_table.stride(0) + j];
