@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "attention_dispatch.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -159,36 +160,6 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   });
 }
 
-template <typename T>
-void dispatch(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& table,
-              const at::Tensor& lens, float scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KV = cache.size(3);
-  const auto* qp = reinterpret_cast<const T*>(q.data_ptr());
-  const auto* cp = reinterpret_cast<const T*>(cache.data_ptr());
-  auto* op = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t nb = cache.size(1), bs = cache.size(2);
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-#define KVLOOP_CASE(ND)                                                                \
-  case ND:                                                                             \
-    run<T, ND>(qp, q.stride(0), cp, nb, bs, tp, table.stride(0), lp, B, H, KV, scale, op); \
-    return;
-  switch (D / 16) {
-    KVLOOP_CASE(1)
-    KVLOOP_CASE(2)
-    KVLOOP_CASE(3)
-    KVLOOP_CASE(4)
-    KVLOOP_CASE(5)
-    KVLOOP_CASE(6)
-    KVLOOP_CASE(7)
-    KVLOOP_CASE(8)
-    KVLOOP_CASE(16)
-    default: TORCH_CHECK(false, "decode_attention: head size ", D, " not supported");
-  }
-#undef KVLOOP_CASE
-}
-
 }  // namespace
 
 void decode_attention(const at::Tensor& q, const at::Tensor& cache,
@@ -221,10 +192,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache,
   TORCH_CHECK(out.is_contiguous() && out.numel() == q.numel(), "out");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "dtypes");
-  if (q.scalar_type() == at::kBFloat16) {
-    dispatch<uint16_t>(q, cache, block_table, context_lens, static_cast<float>(scale), out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: bfloat16 or float32");
-    dispatch<float>(q, cache, block_table, context_lens, static_cast<float>(scale), out);
-  }
+  const int64_t H = q.size(1), KV = cache.size(3);
+  kvloop::by_dtype_and_head_size("decode_attention", q, [&](auto* tag, auto nd) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    run<T, decltype(nd)::value>(static_cast<const T*>(q.data_ptr()), q.stride(0),
+                                static_cast<const T*>(cache.data_ptr()), nb, bs, table,
+                                block_table.stride(0), lens, q.size(0), H, KV,
+                                static_cast<float>(scale), static_cast<T*>(out.data_ptr()));
+  });
 }
