@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from native_helpers import BF16, KERNELS  # noqa: E402
-from test_native_attention import TOLS, _in_subprocess  # noqa: E402
+from test_native_attention import TOLS, _in_subprocess, paged_setup  # noqa: E402
 
 from kvloop.executor.torch.attention import build_metadata, paged_attention  # noqa: E402
 
@@ -23,20 +23,12 @@ from kvloop.executor.torch.attention import build_metadata, paged_attention  # n
 def setup(starts: list[int], lengths: list[int], *, block_size: int, kv: int, rep: int,
           head_dim: int, dtype: torch.dtype, seed: int, share: bool = False,
           ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-    """A random one-layer cache over shuffled block ids, block tables for the chunks
-    (with ``share``, the second sequence's first block is the first's) and strided queries
-    ([T, H, d], a view into a wider qkv-like tensor, as the model's)."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True)]
-    pool = sum(need) + 5
-    ids = torch.randperm(pool, generator=gen).tolist()
-    tables = []
-    for n in need:
-        tables.append(ids[:n])
-        ids = ids[n:]
-    if share:
-        tables[1][0] = tables[0][0]
-    cache = torch.randn(2, pool, block_size, kv, head_dim, generator=gen).to(dtype)
+    """``paged_setup``'s cache and block tables for the chunks' contexts, with one strided
+    query row per chunk token ([T, H, d], a view into a wider qkv-like tensor)."""
+    ctx = [s + n for s, n in zip(starts, lengths, strict=True)]
+    cache, _, tables = paged_setup(ctx, block_size=block_size, kv=kv, rep=rep,
+                                   head_dim=head_dim, dtype=dtype, seed=seed, share=share)
+    gen = torch.Generator().manual_seed(seed + 1)
     heads = kv * rep
     wide = torch.randn(sum(lengths), (heads + 2 * kv) * head_dim, generator=gen).to(dtype)
     return cache, wide[:, : heads * head_dim].view(-1, heads, head_dim), tables
