@@ -200,6 +200,7 @@ def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
     f32 = make_runner(llama_model, dtype="float32")
     note = f32.kernels_note
     assert note.startswith("kvloop's CPU kernels: ") and "decode_attention, f32_linear" in note
+    assert "prefill_attention" in note
     assert ("rms_norm" in note) == f32.model.fused_ops
     assert ("DecodeLayers" in note) == (f32.model.decode_layers is not None)
     bf16 = make_runner(llama_model, dtype="bfloat16")

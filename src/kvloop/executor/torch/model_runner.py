@@ -168,7 +168,8 @@ class TorchModelRunner:
         torch's, with the reason where kvloop's are off; empty on other devices."""
         if self.device.type != "cpu":
             return ""
-        used = [*self.model.native_kernels, *(["decode_attention"] * self.native_attention)]
+        attention = ["decode_attention", "prefill_attention"] if self.native_attention else []
+        used = [*self.model.native_kernels, *attention]
         if used:
             return f"kvloop's CPU kernels: {', '.join(sorted(used))}"
         reason = native.unavailable_reason() or (
