@@ -147,6 +147,26 @@ def test_mixed_step_reads_every_group_in_place(dtype: torch.dtype) -> None:
     torch.testing.assert_close(fast[2:].double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("starts, lengths, num_decodes", [
+    pytest.param([40, 0, 0], [1, 5, 3], 1, id="one-block-prefills-after-a-long-decode"),
+    pytest.param([3, 9, 0], [1, 1, 40], 2, id="one-block-decodes-before-a-long-prefill"),
+])
+def test_groups_narrower_than_the_step_read_their_own_blocks(
+        starts: list[int], lengths: list[int], num_decodes: int) -> None:
+    """A group whose contexts all fit in one block, in a step whose table is wider: its
+    table rows are still read entry by entry (a regression: they viewed as [n, 1] with the
+    wide table's stride and the kernels refused them, failing the step in a server)."""
+    cache, q, tables = setup(starts, lengths, block_size=16, kv=2, rep=2, head_dim=64,
+                             dtype=torch.float32, seed=3)
+    metas = [build_metadata(starts=starts, lengths=lengths, block_tables=tables,
+                            num_decodes=num_decodes, block_size=16,
+                            device=torch.device("cpu"), dtype=torch.float32, native=native)[0]
+             for native in (True, False)]
+    assert all(g.blocks.view(g.num_seqs, -1).stride(1) == 1 for g in metas[0].groups)
+    fast, slow = (paged_attention(q, cache, m, 0.125) for m in metas)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_attention_nan_reaches_only_the_rows_that_see_it() -> None:
     """A NaN key at position 20 of a 30-token prompt: the rows of its KV head's query heads
     at positions >= 20 are NaN, every other output is finite."""

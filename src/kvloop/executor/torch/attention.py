@@ -222,7 +222,10 @@ class _GroupBuilder:
 
     def _blocks(self, lo: int, hi: int) -> tuple[Tensor, int]:
         nblk = -(-max(self.ctx[lo:hi]) // self.block_size)
-        return self.table[lo:hi, :nblk].reshape(-1), nblk * self.block_size
+        # NOTE: contiguous, so that ``blocks.view(num_seqs, -1)`` has unit stride between a
+        # table's entries (kvloop's kernels require it): a one-block slice of a wider table
+        # would otherwise view as [n, 1] with the table's row stride in both dimensions.
+        return self.table[lo:hi, :nblk].contiguous().view(-1), nblk * self.block_size
 
     def decodes(self, lo: int, hi: int) -> AttentionGroup:
         blocks, width = self._blocks(lo, hi)
