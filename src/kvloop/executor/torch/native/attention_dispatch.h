@@ -1,14 +1,33 @@
-// What decode_attention.cpp and prefill_attention.cpp share: calling a kernel body templated
-// on the cache's element type and the head size.
+// What decode_attention.cpp and prefill_attention.cpp share: the checks of their common
+// tensors, and calling a kernel body templated on the cache's element type and head size.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 namespace kvloop {
+
+// q [T, H, D] (rows of heads, each head contiguous), the cache [2, blocks, block size, KV, D]
+// (contiguous), out [T, H * D] (contiguous), all on CPU with `others` (the kernel's index
+// tensors), one dtype, D a multiple of 16 and H a multiple of KV; a RuntimeError otherwise.
+inline void check_attention_tensors(const char* kernel, const at::Tensor& q,
+                                    const at::Tensor& cache, const at::Tensor& out,
+                                    std::initializer_list<at::Tensor> others) {
+  bool cpu = q.device().is_cpu() && cache.device().is_cpu() && out.device().is_cpu();
+  for (const at::Tensor& t : others) cpu = cpu && t.device().is_cpu();
+  TORCH_CHECK(cpu, kernel, ": CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
+  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(2) % 16 == 0, "head size");
+  TORCH_CHECK(cache.size(3) > 0 && q.size(1) % cache.size(3) == 0, "query heads per KV head");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == q.numel(), "out");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "dtypes");
+}
 
 // f(tag, nd) with tag a null T* (uint16_t for bfloat16, float for float32: q's dtype) and nd a
 // std::integral_constant<int, ND> for q's head size 16 * ND (ND in 1..8 or 16); anything else

@@ -165,14 +165,9 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
 void decode_attention(const at::Tensor& q, const at::Tensor& cache,
                       const at::Tensor& block_table, const at::Tensor& context_lens,
                       double scale, at::Tensor& out) {
-  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu() && block_table.device().is_cpu() &&
-                  context_lens.device().is_cpu() && out.device().is_cpu(),
-              "decode_attention: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q layout");
-  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(), "cache layout");
-  TORCH_CHECK(cache.size(4) == q.size(2) && q.size(2) % 16 == 0, "head size");
-  TORCH_CHECK(cache.size(3) > 0 && q.size(1) % cache.size(3) == 0 && q.size(1) <= kMaxHeads,
-              "query heads per KV head");
+  kvloop::check_attention_tensors("decode_attention", q, cache, out,
+                                  {block_table, context_lens});
+  TORCH_CHECK(q.size(1) <= kMaxHeads, "query heads per KV head: at most ", kMaxHeads);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
                   block_table.stride(1) == 1 && block_table.size(0) == q.size(0), "block_table");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
@@ -189,9 +184,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& cache,
       TORCH_CHECK(id >= 0 && id < nb, "decode_attention: block id ", id, " out of range");
     }
   }
-  TORCH_CHECK(out.is_contiguous() && out.numel() == q.numel(), "out");
-  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "dtypes");
   const int64_t H = q.size(1), KV = cache.size(3);
   kvloop::by_dtype_and_head_size("decode_attention", q, [&](auto* tag, auto nd) {
     using T = std::remove_pointer_t<decltype(tag)>;
