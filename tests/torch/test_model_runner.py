@@ -22,7 +22,7 @@ from conftest import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvloop.executor.torch import KVCache  # noqa: E402
+from kvloop.executor.torch import KVCache, native  # noqa: E402
 from kvloop.executor.torch import attention as attn_mod  # noqa: E402
 from kvloop.executor.torch.flex import flex_paged_attention  # noqa: E402
 from kvloop.executor.torch.models.llama import rope_inv_freq  # noqa: E402
@@ -295,12 +295,21 @@ def test_bfloat16_runs(llama_model: TinyModel, device: str) -> None:
         assert r.output_token_ids[0] == llama_model.greedy(list(r.prompt_token_ids), 8)[0]
 
 
-def test_blocks_from_memory_budget(llama_model: TinyModel) -> None:
+def test_blocks_from_memory_budget(llama_model: TinyModel,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = llama_model.hf.config  # type: ignore[attr-defined]
     runner = make_runner(llama_model, num_gpu_blocks=None, kv_cache_memory=1 << 20)
     per_block = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * 16 * 4
     layers = cfg.num_hidden_layers
-    assert runner.num_gpu_blocks == (1 << 20) * layers // (layers + 2) // per_block
+    if runner.native_attention or runner.flex_attention:  # reads the blocks in place
+        assert runner.num_gpu_blocks == (1 << 20) // per_block
+    else:  # keeps room for the gathered copy of two layers
+        assert runner.num_gpu_blocks == (1 << 20) * layers // (layers + 2) // per_block
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "attention_supported", lambda *args: False)
+        gather = make_runner(llama_model, num_gpu_blocks=None, kv_cache_memory=1 << 20)
+    assert not gather.native_attention and not gather.flex_attention
+    assert gather.num_gpu_blocks == (1 << 20) * layers // (layers + 2) // per_block
     swap = make_runner(llama_model, num_cpu_blocks=None, swap_space_bytes=10 * per_block + 1)
     assert swap.num_cpu_blocks == 10 and swap.kv_cache.cpu.shape[2] == 10
     assert runner.model_config.eos_token_ids == (2,)

@@ -219,10 +219,12 @@ class TorchModelRunner:
             budget = cpu_kv_budget(kv_cache_memory)
         else:
             budget = cuda_kv_budget(self.device, utilization, self.activation_reserve())
-        # NOTE: attention gathers one layer's context at a time (padded to the longest
-        # request): keep room for about two layers' worth of cache for that copy.
-        layers = self.model_config.num_layers
-        budget = budget * layers // (layers + 2)
+        if not (self.native_attention or self.flex_attention):
+            # NOTE: the gather path copies one layer's context at a time (padded to the
+            # longest request): keep room for about two layers' worth of cache for that
+            # copy. kvloop's kernels and FlexAttention read the blocks in place.
+            layers = self.model_config.num_layers
+            budget = budget * layers // (layers + 2)
         return budget // per_block
 
     # -- the step --------------------------------------------------------------------
