@@ -100,6 +100,9 @@ CASES = [  # (lens, block_size, kv, rep, head_dim, share)
     pytest.param([1, 5, 16, 17, 31, *RANDOM_LENS], 16, 3, 3, 64, True, id="nine-mixed"),
     pytest.param([7, 64, 129], 5, 2, 1, 64, True, id="block-size-5"),
     pytest.param([40, 211], 16, 2, 2, 80, False, id="d80"),
+    # G = 7 and 5: query heads in register blocks of 3, then a block of 1 or 2
+    pytest.param([9, 100], 16, 1, 7, 48, False, id="gqa7-d48"),
+    pytest.param([2, 3, 250], 8, 2, 5, 64, True, id="gqa5-block-size-8"),
 ]
 
 

@@ -1,13 +1,25 @@
 // Attention of decode tokens over their paged KV, reading the cache blocks in place.
 //
 // One query token per sequence. Each sequence (or, with fewer sequences than twice the
-// threads, each (sequence, KV head)) is one task: its query heads walk the block table once
-// for K (scores in float32), take a softmax, then walk it once for V. Nothing is gathered
-// into a contiguous copy. Float32 arithmetic for float32 and bfloat16 caches alike; the
-// output is rounded once to the cache's dtype.
+// threads, each (sequence, KV head)) is one task; the threads take them longest first from a
+// shared counter. A task reads its slots in three passes, nothing gathered into a copy:
+//   scores   kKeys slots at a time (all of the task's KV heads of a slot: one contiguous run
+//            of the cache), each key's values loaded once for kHeads query heads;
+//   softmax  per query head over its row of scores;
+//   output   per KV head and 16 (AVX-512: 32) output values, up to kHeads query heads at a
+//            time, every slot's V values broadcast-weighted by their probabilities.
+// NOTE: each pass prefetches the slots it reads kAhead slots ahead. Without it the kernel ran
+// at half to two thirds of this speed from memory: the output passes read one cache line of
+// every slot (a stride the hardware prefetchers do not follow) and the scores pass jumps from
+// block to block.
+//
+// NOTE: float32 arithmetic for float32 and bfloat16 caches alike; each output is rounded once
+// to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <vector>
 
 #include "attention_dispatch.h"
@@ -16,6 +28,7 @@
 
 namespace {
 
+using kvloop::load16;
 using kvloop::V16;
 using kvloop::vfmadd;
 using kvloop::vloadu;
@@ -24,66 +37,126 @@ using kvloop::vset1;
 using kvloop::vzero;
 
 constexpr int kMaxHeads = 256;  // query heads of one task
+constexpr int kHeads = 3;  // query heads (of one KV head) computed together, in both passes
+#if defined(__AVX512F__)
+constexpr int kKeys = 4;   // keys per score tile
+constexpr int kVecsV = 2;  // V16s of each head's output accumulated together
+#else
+constexpr int kKeys = 2;
+constexpr int kVecsV = 1;
+#endif
+constexpr int64_t kAhead = 8;  // slots ahead that each pass prefetches
 
-// Software prefetch of the bytes [p, p + n) into L1/L2 (a block's rows, ahead of their use).
-inline void prefetch(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+// Scores of GH query heads sharing one KV head (qh: their scaled float32 rows, D apart)
+// against N keys: s[g * ld + j] = q_g . k[j]. Each key's 16 values are loaded once for the GH
+// heads.
+template <typename T, int ND, int GH, int N>
+inline void score_tile(const float* qh, const T* const* k, float* s, int64_t ld) {
+  constexpr int64_t D = ND * 16;
+  V16 acc[GH][N];
+  KVLOOP_UNROLL for (int j = 0; j < N; ++j) {
+    const V16 kj = load16(k[j]);
+    KVLOOP_UNROLL for (int g = 0; g < GH; ++g) acc[g][j] = vmul(vloadu(qh + g * D), kj);
+  }
+  KVLOOP_UNROLL for (int i = 1; i < ND; ++i) {
+    KVLOOP_UNROLL for (int j = 0; j < N; ++j) {
+      const V16 kj = load16(k[j] + 16 * i);
+      KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
+        acc[g][j] = vfmadd(vloadu(qh + g * D + 16 * i), kj, acc[g][j]);
+    }
+  }
+  // The GH * N sums, four at a time (padded with zeros), then each to its row.
+  constexpr int M = (GH * N + 3) / 4 * 4;
+  alignas(16) float sums[M];
+  KVLOOP_UNROLL for (int m = 0; m < M; m += 4) {
+    V16 four[4];
+    KVLOOP_UNROLL for (int r = 0; r < 4; ++r)
+      four[r] = m + r < GH * N ? acc[(m + r) / N][(m + r) % N] : vzero();
+    _mm_store_ps(sums + m, kvloop::hsum4(four[0], four[1], four[2], four[3]));
+  }
+  KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
+    KVLOOP_UNROLL for (int j = 0; j < N; ++j) s[g * ld + j] = sums[g * N + j];
 }
 
-// One task: sequence b, KV heads [h0, h1), each head's g query heads together. Reads the
-// sequence's slots for K, then for V, prefetching a block ahead (all the task's heads of it).
+// All G query heads of one KV head against N keys, kHeads heads at a time.
+template <typename T, int ND, int N>
+inline void score_heads(const float* qh, const T* const* k, float* s, int64_t ld, int64_t G) {
+  constexpr int64_t D = ND * 16;
+  int64_t g = 0;
+  for (; g + kHeads <= G; g += kHeads) score_tile<T, ND, kHeads, N>(qh + g * D, k, s + g * ld, ld);
+  if (G - g == 2) score_tile<T, ND, 2, N>(qh + g * D, k, s + g * ld, ld);
+  if (G - g == 1) score_tile<T, ND, 1, N>(qh + g * D, k, s + g * ld, ld);
+}
+
+// Output values [16 c, 16 (c + NV)) of GH query heads sharing one KV head: the sum over slots
+// of p[g][t] * V[t] (p unnormalised; inv[g] normalises), stored to out[g * D + ...].
+template <typename T, int ND, int GH, int NV>
+inline void output_tile(const T* v_base, const int64_t* offs, int64_t L, int64_t c,
+                        const float* p, int64_t ld, const float* inv, T* out) {
+  constexpr int64_t D = ND * 16;
+  V16 acc[GH][NV];
+  KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
+    KVLOOP_UNROLL for (int i = 0; i < NV; ++i) acc[g][i] = vzero();
+  for (int64_t t = 0; t < L; ++t) {
+    // NOTE: a pass reads 16 * NV values of each slot, a cache line or less in a run of
+    // KV * D: hardware prefetchers miss such strides, so the pass fetches its own.
+    if (t + kAhead < L) _mm_prefetch(v_base + offs[t + kAhead] + 16 * c, _MM_HINT_T0);
+    const T* v = v_base + offs[t] + 16 * c;
+    V16 vv[NV];
+    KVLOOP_UNROLL for (int i = 0; i < NV; ++i) vv[i] = load16(v + 16 * i);
+    KVLOOP_UNROLL for (int g = 0; g < GH; ++g) {
+      const V16 w = vset1(p[g * ld + t]);
+      KVLOOP_UNROLL for (int i = 0; i < NV; ++i) acc[g][i] = vfmadd(w, vv[i], acc[g][i]);
+    }
+  }
+  KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
+    KVLOOP_UNROLL for (int i = 0; i < NV; ++i)
+      kvloop::store16(out + g * D + 16 * (c + i), vmul(acc[g][i], vset1(inv[g])));
+}
+
+template <typename T, int ND, int GH>
+inline void output_heads(const T* v_base, const int64_t* offs, int64_t L, const float* p,
+                         int64_t ld, const float* inv, T* out) {
+  for (int64_t c = 0; c < ND; c += kVecsV) {
+    if (c + kVecsV <= ND)
+      output_tile<T, ND, GH, kVecsV>(v_base, offs, L, c, p, ld, inv, out);
+    else
+      output_tile<T, ND, GH, 1>(v_base, offs, L, c, p, ld, inv, out);
+  }
+}
+
+// One task: sequence b's query heads of KV heads [h0, h1), each KV head's G query heads.
 template <typename T, int ND>
 void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, int64_t row,
             const int64_t* blocks, int64_t L, int64_t h0, int64_t h1, int64_t G, float scale,
             float* qf, float* sc, int64_t* offs, T* out) {
   constexpr int64_t D = ND * 16;
-  constexpr int GC = ND <= 4 ? 4 : (ND <= 8 ? 2 : 1);  // query heads accumulated in registers
-  const int64_t nh = (h1 - h0) * G;  // query heads of this task
-  const int64_t ld = L + 16;          // score row stride (room for a masked tail)
-  const int64_t span = (h1 - h0) * D * sizeof(T);
+  const int64_t nkv = h1 - h0, nh = nkv * G;  // KV heads and query heads of this task
+  const int64_t ld = L + 16;                  // score row stride (room for a masked tail)
   for (int64_t j = 0; j < nh; ++j)
     for (int i = 0; i < ND; ++i)
-      kvloop::vstoreu(qf + j * D + 16 * i, vmul(kvloop::load16(q + j * D + 16 * i), vset1(scale)));
+      kvloop::vstoreu(qf + j * D + 16 * i, vmul(load16(q + j * D + 16 * i), vset1(scale)));
   // NOTE: each slot's offset is computed once per task, without dividing by the runtime block
   // size per key, head and pass (those divisions cost 4-15 % of the kernel's time).
   for (int64_t t = 0, blk = 0; t < L; ++blk)
     for (int64_t r = 0; r < block_size && t < L; ++r, ++t)
       offs[t] = (blocks[blk] * block_size + r) * row + h0 * D;
-  auto slot = [&](const T* base, int64_t t, int64_t h) { return base + offs[t] + h * D; };
-  auto prefetch_block = [&](const T* base, int64_t t) {  // the block holding slot t
-    if (t >= L) return;
-    const T* first = base + blocks[t / block_size] * block_size * row + h0 * D;
-    for (int64_t r = 0; r < block_size; ++r) prefetch(first + r * row, span);
-  };
-  for (int64_t h = 0; h < h1 - h0; ++h) {
-    if (h == 0) prefetch_block(k_base, 0);
-    const float* qh = qf + h * G * D;
-    float* sh = sc + h * G * ld;
-    int64_t t = 0;
-    for (; t + 4 <= L; t += 4) {
-      if (h == 0 && t % block_size < 4) prefetch_block(k_base, t + block_size);
-      V16 kv[4][ND];
-      for (int j = 0; j < 4; ++j) {
-        const T* k = slot(k_base, t + j, h);
-        for (int i = 0; i < ND; ++i) kv[j][i] = kvloop::load16(k + 16 * i);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        V16 s[4];
-        for (int j = 0; j < 4; ++j) {
-          s[j] = vmul(vloadu(qh + g * D), kv[j][0]);
-          for (int i = 1; i < ND; ++i) s[j] = vfmadd(vloadu(qh + g * D + 16 * i), kv[j][i], s[j]);
-        }
-        _mm_storeu_ps(sh + g * ld + t, kvloop::hsum4(s[0], s[1], s[2], s[3]));
-      }
+  const int64_t span = nkv * D * static_cast<int64_t>(sizeof(T));  // bytes of a slot read
+  for (int64_t t = 0; t < L; t += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, L - t);
+    for (int64_t a = t + kAhead; a < std::min(t + kAhead + n, L); ++a) {
+      const char* line = reinterpret_cast<const char*>(k_base + offs[a]);
+      for (int64_t i = 0; i < span; i += 64) _mm_prefetch(line + i, _MM_HINT_T0);
     }
-    for (; t < L; ++t) {
-      const T* k = slot(k_base, t, h);
-      for (int64_t g = 0; g < G; ++g) {
-        V16 s = vmul(vloadu(qh + g * D), kvloop::load16(k));
-        for (int i = 1; i < ND; ++i)
-          s = vfmadd(vloadu(qh + g * D + 16 * i), kvloop::load16(k + 16 * i), s);
-        sh[g * ld + t] = kvloop::vreduce_add(s);
+    for (int64_t h = 0; h < nkv; ++h) {
+      const T* k[kKeys];
+      for (int64_t j = 0; j < n; ++j) k[j] = k_base + offs[t + j] + h * D;
+      const float* qh = qf + h * G * D;
+      float* s = sc + h * G * ld + t;
+      if (n == kKeys) {
+        score_heads<T, ND, kKeys>(qh, k, s, ld, G);
+      } else {
+        for (int64_t j = 0; j < n; ++j) score_heads<T, ND, 1>(qh, k + j, s + j, ld, G);
       }
     }
   }
@@ -106,28 +179,17 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
     }
     inv_sum[j] = 1.0f / kvloop::vreduce_add(sum);
   }
-  for (int64_t h = 0; h < h1 - h0; ++h) {
-    for (int64_t g0 = 0; g0 < G; g0 += GC) {
-      const int gc = static_cast<int>(std::min<int64_t>(GC, G - g0));
-      const float* p = sc + (h * G + g0) * ld;
-      V16 acc[GC][ND];
-      for (int j = 0; j < GC; ++j)
-        for (int i = 0; i < ND; ++i) acc[j][i] = vzero();
-      for (int64_t t = 0; t < L; ++t) {
-        if (h == 0 && g0 == 0 && t % block_size == 0) prefetch_block(v_base, t + block_size);
-        const T* v = slot(v_base, t, h);
-        V16 vv[ND];
-        for (int i = 0; i < ND; ++i) vv[i] = kvloop::load16(v + 16 * i);
-        for (int j = 0; j < GC; ++j) {
-          if (j >= gc) break;
-          const V16 w = vset1(p[j * ld + t]);
-          for (int i = 0; i < ND; ++i) acc[j][i] = vfmadd(w, vv[i], acc[j][i]);
-        }
-      }
-      for (int j = 0; j < gc; ++j) {
-        const int64_t head = h * G + g0 + j;
-        const V16 inv = vset1(inv_sum[head]);
-        for (int i = 0; i < ND; ++i) kvloop::store16(out + head * D + 16 * i, vmul(acc[j][i], inv));
+  for (int64_t h = 0; h < nkv; ++h) {
+    const T* vh = v_base + h * D;  // + offs[t]: slot t's values of KV head h
+    for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+      const int64_t j = h * G + g0;
+      const float* p = sc + j * ld;
+      switch (std::min<int64_t>(kHeads, G - g0)) {
+        case 3: output_heads<T, ND, 3>(vh, offs, L, p, ld, inv_sum + j, out + j * D);
+          break;
+        case 2: output_heads<T, ND, 2>(vh, offs, L, p, ld, inv_sum + j, out + j * D);
+          break;
+        default: output_heads<T, ND, 1>(vh, offs, L, p, ld, inv_sum + j, out + j * D);
       }
     }
   }
@@ -147,12 +209,19 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   // together); one KV head per task otherwise, so that a lone sequence still uses every thread.
   const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KV;
   const int64_t heads_per_task = KV / split;
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> order(B);  // longest first
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  const int64_t n_tasks = B * split;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads_per_task * G * D);
     std::vector<float> sc(heads_per_task * G * (max_len + 16));
     std::vector<int64_t> offs(max_len);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / split, h0 = (task % split) * heads_per_task;
+    for (int64_t task = next++; task < n_tasks; task = next++) {
+      const int64_t b = order[task / split], h0 = (task % split) * heads_per_task;
       attend<T, ND>(q + b * q_stride + h0 * G * D, cache, v_base, block_size, row,
                     table + b * table_stride, lens[b], h0, h0 + heads_per_task, G, scale,
                     qf.data(), sc.data(), offs.data(), out + b * H * D + h0 * G * D);

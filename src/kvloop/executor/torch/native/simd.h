@@ -8,6 +8,11 @@
 
 #include <cstdint>
 
+// NOTE: GCC keeps an array of vector accumulators (V16 acc[N]) in memory, a store per FMA,
+// unless the loops that index it are unrolled before its scalar replacement pass (-O3 unrolls
+// them too late): a loop over such a register block carries KVLOOP_UNROLL.
+#define KVLOOP_UNROLL _Pragma("GCC unroll 16")
+
 namespace kvloop {
 
 #if defined(__AVX512F__)
