@@ -1,8 +1,9 @@
 // Attention of decode tokens over their paged KV, reading the cache blocks in place.
 //
-// One query token per sequence. Each sequence (or, with fewer sequences than twice the
-// threads, each (sequence, KV head)) is one task; the threads take them longest first from a
-// shared counter. A task reads its slots in three passes, nothing gathered into a copy:
+// One query token per sequence. A task is a sequence's context, or with few sequences a part
+// of it (parts merge their softmaxes afterwards, flash-decoding style), for all KV heads or,
+// with fewer still, one; the threads take the tasks longest first from a shared counter. A
+// task reads its slots in three passes, nothing gathered into a copy:
 //   scores   kKeys slots at a time (all of the task's KV heads of a slot: one contiguous run
 //            of the cache), each key's values loaded once for kHeads query heads;
 //   softmax  per query head over its row of scores;
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <numeric>
 #include <vector>
 
@@ -46,6 +48,9 @@ constexpr int kKeys = 2;
 constexpr int kVecsV = 1;
 #endif
 constexpr int64_t kAhead = 8;  // slots ahead that each pass prefetches
+constexpr int64_t kTasksPerThread = 4;  // below this many tasks a thread, contexts split
+constexpr int64_t kMinPart = 256;       // slots of a context's part, at least
+constexpr int64_t kMaxParts = 64;       // parts of one context, at most
 
 // Scores of GH query heads sharing one KV head (qh: their scaled float32 rows, D apart)
 // against N keys: s[g * ld + j] = q_g . k[j]. Each key's 16 values are loaded once for the GH
@@ -90,9 +95,9 @@ inline void score_heads(const float* qh, const T* const* k, float* s, int64_t ld
 
 // Output values [16 c, 16 (c + NV)) of GH query heads sharing one KV head: the sum over slots
 // of p[g][t] * V[t] (p unnormalised; inv[g] normalises), stored to out[g * D + ...].
-template <typename T, int ND, int GH, int NV>
+template <typename T, int ND, int GH, int NV, typename O>
 inline void output_tile(const T* v_base, const int64_t* offs, int64_t L, int64_t c,
-                        const float* p, int64_t ld, const float* inv, T* out) {
+                        const float* p, int64_t ld, const float* inv, O* out) {
   constexpr int64_t D = ND * 16;
   V16 acc[GH][NV];
   KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
@@ -114,23 +119,27 @@ inline void output_tile(const T* v_base, const int64_t* offs, int64_t L, int64_t
       kvloop::store16(out + g * D + 16 * (c + i), vmul(acc[g][i], vset1(inv[g])));
 }
 
-template <typename T, int ND, int GH>
+template <typename T, int ND, int GH, typename O>
 inline void output_heads(const T* v_base, const int64_t* offs, int64_t L, const float* p,
-                         int64_t ld, const float* inv, T* out) {
+                         int64_t ld, const float* inv, O* out) {
   for (int64_t c = 0; c < ND; c += kVecsV) {
     if (c + kVecsV <= ND)
-      output_tile<T, ND, GH, kVecsV>(v_base, offs, L, c, p, ld, inv, out);
+      output_tile<T, ND, GH, kVecsV, O>(v_base, offs, L, c, p, ld, inv, out);
     else
-      output_tile<T, ND, GH, 1>(v_base, offs, L, c, p, ld, inv, out);
+      output_tile<T, ND, GH, 1, O>(v_base, offs, L, c, p, ld, inv, out);
   }
 }
 
-// One task: sequence b's query heads of KV heads [h0, h1), each KV head's G query heads.
-template <typename T, int ND>
+// One task: the slots [t0, t1) of a sequence (blocks: its block table) for the query heads of
+// KV heads [h0, h1), each KV head's G query heads. Writes each head's output, normalised by
+// its sum over these slots, and that sum's max and total to m and l when given.
+template <typename T, int ND, typename O>
 void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, int64_t row,
-            const int64_t* blocks, int64_t L, int64_t h0, int64_t h1, int64_t G, float scale,
-            float* qf, float* sc, int64_t* offs, T* out) {
+            const int64_t* blocks, int64_t t0, int64_t t1, int64_t h0, int64_t h1, int64_t G,
+            float scale, float* qf, float* sc, int64_t* offs, O* out, float* m_out,
+            float* l_out) {
   constexpr int64_t D = ND * 16;
+  const int64_t L = t1 - t0;                  // slots read
   const int64_t nkv = h1 - h0, nh = nkv * G;  // KV heads and query heads of this task
   const int64_t ld = L + 16;                  // score row stride (room for a masked tail)
   for (int64_t j = 0; j < nh; ++j)
@@ -138,8 +147,8 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
       kvloop::vstoreu(qf + j * D + 16 * i, vmul(load16(q + j * D + 16 * i), vset1(scale)));
   // NOTE: each slot's offset is computed once per task, without dividing by the runtime block
   // size per key, head and pass (those divisions cost 4-15 % of the kernel's time).
-  for (int64_t t = 0, blk = 0; t < L; ++blk)
-    for (int64_t r = 0; r < block_size && t < L; ++r, ++t)
+  for (int64_t t = 0, blk = t0 / block_size, r = t0 % block_size; t < L; ++blk, r = 0)
+    for (; r < block_size && t < L; ++r, ++t)
       offs[t] = (blocks[blk] * block_size + r) * row + h0 * D;
   const int64_t span = nkv * D * static_cast<int64_t>(sizeof(T));  // bytes of a slot read
   for (int64_t t = 0; t < L; t += kKeys) {
@@ -177,7 +186,12 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
       kvloop::vstoreu_n(s + t, e, live);
       sum = kvloop::vadd(sum, e);
     }
-    inv_sum[j] = 1.0f / kvloop::vreduce_add(sum);
+    const float l = kvloop::vreduce_add(sum);
+    inv_sum[j] = 1.0f / l;
+    if (m_out != nullptr) {
+      m_out[j] = m;
+      l_out[j] = l;
+    }
   }
   for (int64_t h = 0; h < nkv; ++h) {
     const T* vh = v_base + h * D;  // + offs[t]: slot t's values of KV head h
@@ -195,6 +209,29 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
   }
 }
 
+struct Task {
+  int64_t b, h0, t0, t1;
+  int64_t part;  // its row of the parts' buffers, or -1: the task covers its whole context
+};
+
+// Head j of sequence b from its P parts' outputs (each normalised by its own sum l, with max m):
+// out = sum_p w_p o_p / sum_p w_p, w_p = exp(m_p - max m) l_p.
+template <typename T, int ND>
+void merge_parts(const float* po, const float* pm, const float* pl, int64_t P, int64_t H,
+                 int64_t j, T* out) {
+  constexpr int64_t D = ND * 16;
+  float m = -INFINITY;
+  for (int64_t p = 0; p < P; ++p) m = std::max(m, pm[p * H + j]);
+  float w[kMaxParts], total = 0.0f;
+  for (int64_t p = 0; p < P; ++p) total += w[p] = std::exp(pm[p * H + j] - m) * pl[p * H + j];
+  for (int i = 0; i < ND; ++i) {
+    V16 acc = vzero();
+    for (int64_t p = 0; p < P; ++p)
+      acc = vfmadd(vset1(w[p] / total), vloadu(po + (p * H + j) * D + 16 * i), acc);
+    kvloop::store16(out + 16 * i, acc);
+  }
+}
+
 template <typename T, int ND>
 void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64_t block_size,
          const int64_t* table, int64_t table_stride, const int64_t* lens, int64_t B, int64_t H,
@@ -203,30 +240,67 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   const int64_t G = H / KV;
   const int64_t row = KV * D;  // elements per cache slot
   const T* v_base = cache + num_blocks * block_size * row;
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lens[b]);
-  // NOTE: whole sequences per task when there are enough of them (each slot's heads read
-  // together); one KV head per task otherwise, so that a lone sequence still uses every thread.
-  const int64_t split = B >= 2 * at::get_num_threads() ? 1 : KV;
+  const int64_t threads = at::get_num_threads();
+  // NOTE: whole sequences per task when there are enough of them (each slot's KV heads read
+  // together: one contiguous run of the cache); with fewer than kTasksPerThread a thread, long
+  // contexts split into parts of at least kMinPart slots, merged afterwards; and if that still
+  // leaves fewer than 2 tasks a thread, each part splits by KV head too.
+  const int64_t wanted = kTasksPerThread * threads;
+  auto count_parts = [&](int64_t b, int64_t split) {
+    const int64_t most = std::min<int64_t>(kMaxParts, (wanted + B * split - 1) / (B * split));
+    return std::clamp<int64_t>(lens[b] / kMinPart, 1, most);
+  };
+  int64_t whole = 0;  // tasks without a split by KV head
+  for (int64_t b = 0; b < B; ++b) whole += count_parts(b, 1);
+  const int64_t split = whole >= 2 * threads ? 1 : KV;
   const int64_t heads_per_task = KV / split;
-  std::vector<int64_t> order(B);  // longest first
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  const int64_t n_tasks = B * split;
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_part(B, -1), parts(B, 1);
+  int64_t n_parts = 0, max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    parts[b] = count_parts(b, split);
+    const int64_t len = (lens[b] + parts[b] - 1) / parts[b];
+    if (parts[b] > 1) first_part[b] = n_parts, n_parts += parts[b];
+    for (int64_t p = 0; p < parts[b]; ++p)
+      for (int64_t s = 0; s < split; ++s)
+        tasks.push_back({b, s * heads_per_task, p * len, std::min(lens[b], (p + 1) * len),
+                         parts[b] > 1 ? first_part[b] + p : -1});
+    max_len = std::max(max_len, len);
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),  // longest first
+                   [](const Task& a, const Task& b) { return a.t1 - a.t0 > b.t1 - b.t0; });
+  std::vector<float> po(n_parts * H * D), pm(n_parts * H), pl(n_parts * H);
+  const auto n_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_tasks);
+  const int64_t workers = std::min<int64_t>(threads, n_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads_per_task * G * D);
     std::vector<float> sc(heads_per_task * G * (max_len + 16));
     std::vector<int64_t> offs(max_len);
-    for (int64_t task = next++; task < n_tasks; task = next++) {
-      const int64_t b = order[task / split], h0 = (task % split) * heads_per_task;
-      attend<T, ND>(q + b * q_stride + h0 * G * D, cache, v_base, block_size, row,
-                    table + b * table_stride, lens[b], h0, h0 + heads_per_task, G, scale,
-                    qf.data(), sc.data(), offs.data(), out + b * H * D + h0 * G * D);
+    for (int64_t k = next++; k < n_tasks; k = next++) {
+      const Task& t = tasks[k];
+      const int64_t head = t.h0 * G;  // the task's first query head
+      const T* qt = q + t.b * q_stride + head * D;
+      const int64_t* blocks = table + t.b * table_stride;
+      const int64_t h1 = t.h0 + heads_per_task;
+      if (t.part < 0) {
+        attend<T, ND>(qt, cache, v_base, block_size, row, blocks, t.t0, t.t1, t.h0, h1, G, scale,
+                      qf.data(), sc.data(), offs.data(), out + (t.b * H + head) * D,
+                      static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+      } else {
+        const int64_t at = t.part * H + head;
+        attend<T, ND>(qt, cache, v_base, block_size, row, blocks, t.t0, t.t1, t.h0, h1, G, scale,
+                      qf.data(), sc.data(), offs.data(), po.data() + at * D, pm.data() + at,
+                      pl.data() + at);
+      }
     }
   });
+  for (int64_t b = 0; b < B; ++b)
+    if (parts[b] > 1)
+      for (int64_t j = 0; j < H; ++j)
+        merge_parts<T, ND>(po.data() + first_part[b] * H * D, pm.data() + first_part[b] * H,
+                           pl.data() + first_part[b] * H, parts[b], H, j,
+                           out + (b * H + j) * D);
 }
 
 }  // namespace
