@@ -3,7 +3,8 @@
 A decode step must read every weight once, so its time cannot be below
 ``weight bytes / read bandwidth``. The bandwidth is measured here (the best of several
 full reads of a 1 GiB tensor with torch's threads), the step time by running ``batch``
-requests (128-token prompts, outputs forced to 64 tokens) through ``LLMEngine`` and
+requests (``--prompt-len`` tokens, 128 by default, outputs forced to 64 tokens) through
+``LLMEngine`` and
 timing every step in which all of them decode. Printed per batch: the floor, the GEMM
 time (every layer matrix and the LM head at that batch, best of 5: what the stock kernels
 cost, the floor those kernels allow), the median decode step, step/floor, and tokens per
@@ -12,7 +13,7 @@ step's time goes (torch profiler self times: weight GEMMs, attention with the KV
 write, other ops, and host time outside any op).
 
     python benchmarks/decode_floor.py [--batches 1,8,32] [--model default] [--dtype auto]
-        [--quantization int4] [--device cuda] [--profile]
+        [--quantization int4] [--device cuda] [--prompt-len 128] [--profile]
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm",
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                  "aten::index_copy_", "kvloop::decode_attention"}
 
-PROMPT_LEN = 128
 OUTPUT_LEN = 64
 
 
@@ -58,13 +58,14 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5
     return nbytes / best
 
 
-def decode_steps(engine: LLMEngine, batch: int, seed: int) -> list[float]:
-    """Seconds of every step in which all ``batch`` requests decode."""
+def decode_steps(engine: LLMEngine, batch: int, seed: int, prompt_len: int) -> list[float]:
+    """Seconds of every step in which all ``batch`` requests (``prompt_len``-token prompts)
+    decode."""
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True, temperature=0)
     vocab = engine.executor.model_config.vocab_size
     for _ in range(batch):
-        ids = torch.randint(10, vocab - 10, (PROMPT_LEN,), generator=g).tolist()
+        ids = torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist()
         engine.add_request(None, {"prompt_token_ids": ids}, params)
     times = []
     while engine.has_unfinished_requests():
@@ -103,14 +104,14 @@ def gemm_time(engine: LLMEngine, batch: int) -> float:
     return best
 
 
-def profile_shares(engine: LLMEngine, batch: int) -> str:
+def profile_shares(engine: LLMEngine, batch: int, prompt_len: int) -> str:
     """Shares of the decode steps' wall time: weight GEMMs, attention, other ops, host."""
     from torch.profiler import ProfilerActivity, profile
 
     # NOTE: CPU self times only: on CUDA they are launch costs, not the kernels' time.
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
-        decode_steps(engine, batch, seed=batch + 1)
+        decode_steps(engine, batch, seed=batch + 1, prompt_len=prompt_len)
         wall = time.perf_counter() - t
     shares = {"weight GEMMs": 0.0, "attention + KV gather/write": 0.0, "other ops": 0.0}
     for ev in prof.key_averages():
@@ -136,6 +137,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=["int4"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--prompt-len", type=int, default=128,
+                   help="tokens per prompt: the decode steps attend to this many and more")
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     p.add_argument("--attention", default="auto", choices=["auto", "gather", "native", "flex"],
                    help="paged attention path: decodes read in place by kvloop's CPU kernel "
@@ -143,6 +146,8 @@ def main() -> int:
                         "place with FlexAttention (CUDA default)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.prompt_len < 1:
+        p.error("--prompt-len must be at least 1")
     if args.attention == "flex" and args.device != "cuda":
         p.error("--attention flex is a CUDA path: on CPU FlexAttention runs its eager "
                 "reference, which scores every slot of the pool (kept for the tests only)")
@@ -168,20 +173,21 @@ def main() -> int:
             else "gather")
     print(f"# {device_name(device)}; {args.model} ({dtype}, attention: {path}): weights "
           f"read per step {nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
-          f"{floor * 1000:.1f} ms per step")
-    decode_steps(engine, 1, seed=99)  # NOTE: warm-up (first-call allocations)
+          f"{floor * 1000:.1f} ms per step; {args.prompt_len}-token prompts, {OUTPUT_LEN} "
+          "output tokens")
+    decode_steps(engine, 1, seed=99, prompt_len=args.prompt_len)  # NOTE: warm-up
     print("| batch | floor ms | GEMMs ms | decode step ms (median) | step / floor | "
           "step / GEMMs | tok/s |")
     print("|---|---|---|---|---|---|---|")
     profiles = []
     for b in batches:
-        times = decode_steps(engine, b, seed=b)
+        times = decode_steps(engine, b, seed=b, prompt_len=args.prompt_len)
         step = statistics.median(times)
         gemms = gemm_time(engine, b)
         print(f"| {b} | {floor * 1000:.1f} | {gemms * 1000:.1f} | {step * 1000:.1f} | "
               f"{step / floor:.2f} | {step / gemms:.2f} | {b / step:.1f} |", flush=True)
         if args.profile:
-            profiles.append(f"batch {b}: {profile_shares(engine, b)}")
+            profiles.append(f"batch {b}: {profile_shares(engine, b, args.prompt_len)}")
     for line in profiles:
         print(line)
     return 0
