@@ -88,7 +88,9 @@ template <typename T, int ND, int N>
 inline void score_heads(const float* qh, const T* const* k, float* s, int64_t ld, int64_t G) {
   constexpr int64_t D = ND * 16;
   int64_t g = 0;
-  for (; g + kHeads <= G; g += kHeads) score_tile<T, ND, kHeads, N>(qh + g * D, k, s + g * ld, ld);
+  static_assert(kHeads == 3, "the remainders below are 1 and 2 query heads");
+  for (; g + kHeads <= G; g += kHeads)
+    score_tile<T, ND, kHeads, N>(qh + g * D, k, s + g * ld, ld);
   if (G - g == 2) score_tile<T, ND, 2, N>(qh + g * D, k, s + g * ld, ld);
   if (G - g == 1) score_tile<T, ND, 1, N>(qh + g * D, k, s + g * ld, ld);
 }
