@@ -43,6 +43,20 @@ def test_greedy_is_argmax(device):
     assert lps == [None] * 6
 
 
+def test_greedy_ties_and_nan_as_torch(device):
+    """Greedy picks the first of equal maxima, and a NaN as the largest, as torch's argmax
+    does (on CPU the sampler takes numpy's); bfloat16 logits and a padded, strided vocabulary
+    too."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0, 3.0, 3.0, 2.0, 0.0], [1.0, nan, 5.0, nan, 0.0], [-inf] * 5,
+            [0.0, 0.0, 0.0, 0.0, 7.0], [2.0, -1.0, inf, inf, 0.0]]
+    for dtype in (torch.float32, torch.bfloat16):
+        padded = torch.tensor([[*r, 9.0] for r in rows], dtype=dtype, device=device)
+        tokens, _ = Sampler(5, device).sample(padded, [state(temperature=0.0)] * len(rows))
+        assert tokens == [1, 1, 0, 4, 2]
+        assert tokens == padded[:, :5].float().argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_top_k_1_equals_greedy(device, temperature):
     logits = rand_logits(5, 40, 1, device)

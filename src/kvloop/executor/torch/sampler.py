@@ -196,7 +196,7 @@ class Sampler:
         raw = logits[:, : self.vocab_size].float()
         x = apply_min_tokens(apply_penalties(raw, states), states)
         rand_rows = [i for i, s in enumerate(states) if not s.params.greedy]
-        greedy = x.argmax(dim=-1) if len(rand_rows) < len(states) else None
+        greedy = _argmax(x) if len(rand_rows) < len(states) else None
         tokens = greedy
         if rand_rows:
             sampled = self._sample_random(x, [states[i] for i in rand_rows], rand_rows)
@@ -229,6 +229,15 @@ class Sampler:
         if any(m > 0.0 for m in min_ps):
             x = apply_min_p(x, torch.tensor(min_ps, dtype=x.dtype, device=dev))
         return _draw(x.softmax(dim=-1), [s.generator(dev) for s in states])
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value ([N, V] -> [N] int64; the first of equal maxima,
+    and a NaN counts as the largest, as in torch). NOTE: on CPU through numpy, whose argmax is
+    vectorised: torch's CPU argmax took ~90 us for one row of a 49k vocabulary, numpy ~16."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _logprobs(

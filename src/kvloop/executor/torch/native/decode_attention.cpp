@@ -49,7 +49,7 @@ constexpr int kVecsV = 1;
 #endif
 constexpr int64_t kAhead = 8;  // slots ahead that each pass prefetches
 constexpr int64_t kTasksPerThread = 4;  // below this many tasks a thread, contexts split
-constexpr int64_t kMinPart = 256;       // slots of a context's part, at least
+constexpr int64_t kMinPart = 128;       // slots of a context's part, at least
 constexpr int64_t kMaxParts = 64;       // parts of one context, at most
 
 // Scores of GH query heads sharing one KV head (qh: their scaled float32 rows, D apart)
