@@ -49,8 +49,8 @@ import httpx
 
 from kvloop.engine.model_source import default_gguf_path, resolve_model
 
-ENGINES = ("kvloop", "kvloop-fp32", "kvloop-int4", "vllm", "vllm-bf16", "llama-server",
-           "llama.cpp", "transformers")
+ENGINES = ("kvloop", "kvloop-fp32", "kvloop-bf16", "kvloop-int4", "vllm", "vllm-bf16",
+           "llama-server", "llama.cpp", "transformers")
 METRICS = (("tok/s", "output_throughput", None), ("TTFT p50", "ttft", "p50"),
            ("TTFT p99", "ttft", "p99"), ("TPOT p50", "tpot", "p50"), ("TPOT p99", "tpot", "p99"))
 Launcher = Callable[[argparse.Namespace, int], list[str]]
@@ -154,6 +154,7 @@ def transformers_cmd(args: argparse.Namespace, port: int) -> list[str]:
 LAUNCHERS: dict[str, Launcher] = {
     "kvloop": kvloop_cmd,
     "kvloop-fp32": lambda a, port: kvloop_cmd(a, port, "--dtype", "float32"),
+    "kvloop-bf16": lambda a, port: kvloop_cmd(a, port, "--dtype", "bfloat16"),
     "kvloop-int4": lambda a, port: kvloop_cmd(a, port, "--dtype", "bfloat16",
                                               "--quantization", "int4"),
     "vllm": vllm_cmd,
