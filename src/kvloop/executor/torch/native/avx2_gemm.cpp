@@ -75,7 +75,7 @@ QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = x + m * K + g * kGroup;
-      const kvloop::V16 lo = kvloop::load16(src), hi = kvloop::load16(src + 16);
+      const V16 lo = kvloop::load16(src), hi = kvloop::load16(src + 16);
       const __m256 v[4] = {lo.lo, lo.hi, hi.lo, hi.hi};
       __m256 amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
       for (int i = 0; i < 4; ++i) {

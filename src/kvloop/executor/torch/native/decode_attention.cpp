@@ -226,10 +226,11 @@ void merge_parts(const float* po, const float* pm, const float* pl, int64_t P, i
   for (int64_t p = 0; p < P; ++p) m = std::max(m, pm[p * H + j]);
   float w[kMaxParts], total = 0.0f;
   for (int64_t p = 0; p < P; ++p) total += w[p] = std::exp(pm[p * H + j] - m) * pl[p * H + j];
+  for (int64_t p = 0; p < P; ++p) w[p] /= total;
   for (int i = 0; i < ND; ++i) {
     V16 acc = vzero();
     for (int64_t p = 0; p < P; ++p)
-      acc = vfmadd(vset1(w[p] / total), vloadu(po + (p * H + j) * D + 16 * i), acc);
+      acc = vfmadd(vset1(w[p]), vloadu(po + (p * H + j) * D + 16 * i), acc);
     kvloop::store16(out + 16 * i, acc);
   }
 }
