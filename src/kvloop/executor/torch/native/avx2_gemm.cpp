@@ -95,20 +95,25 @@ QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
   return q;
 }
 
-// Asks for the ``bytes`` at p (whole cache lines) into L1 ahead of their use.
+// Asks for the ``bytes`` at p (whole cache lines) into L1 ahead of their use, as
+// non-temporal: weights are read once a step, so they bypass the outer caches instead of
+// evicting what a step reuses (activations, KV blocks); on Zen 1 that made one-row products
+// 5-20 % faster than the same prefetch into every level (docs/native-kernels.md, eighth round).
 // NOTE: a tile's groups, and the tiles a thread takes, follow one another in memory, so
 // reading a few groups ahead of the current one also covers the start of the next tile;
 // past the end of a matrix a prefetch is a no-op (it never faults).
 template <int bytes>
 inline void prefetch(const void* p) {
-  for (int i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+  for (int i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_NTA);
 }
 
-// How far ahead of the group it multiplies a Q4 or Q8 tile prefetches its weights (4 groups
-// of Q4, 2 of Q8): the hardware prefetchers alone left one-row products of those three
-// interleaved streams (codes, scales, offsets) at 60-75% of the read bandwidth on Zen 1;
-// 1 KiB ahead made them 1.25x faster there, 512 B ahead less (docs/native-kernels.md,
-// seventh round). NOTE: the float kernels' single streams got slower with it: they do not.
+// How far ahead of the data it multiplies a tile prefetches its weights (4 groups of Q4, 2
+// of Q8, 16 input pairs of bfloat16): the hardware prefetchers alone left one-row products
+// at 60-75 % of the read bandwidth on Zen 1 (the Q4 and Q8 tiles' three interleaved streams,
+// and the bfloat16 loop, whose widening leaves fewer loads in flight than a plain read);
+// 1 KiB ahead made them 1.2-1.3x faster there, 512 B ahead less (docs/native-kernels.md,
+// seventh and eighth rounds). NOTE: the float32 kernel's denser loop (one load, four FMAs)
+// already keeps the reads in flight; prefetch gained nothing there, measured twice.
 constexpr int64_t kAheadBytes = 1024;
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -254,6 +259,7 @@ struct Bf16Tiles {
     for (int c = 0; c < C; ++c)
       for (int i = 0; i < 2 * R; ++i) sum[c][i] = _mm256_setzero_ps();
     for (int64_t p = 0; p < K / 2; ++p) {
+      if (m0 == 0) prefetch<64>(w + p * 2 * kTile + kAheadBytes / 2);  // first pass only
       __m256 we[2], wo[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v =
