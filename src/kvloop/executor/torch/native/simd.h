@@ -236,4 +236,30 @@ inline V16 round_to(V16 v, const uint16_t*) { return round_bf16(v); }
 inline void store16(float* p, V16 v) { vstoreu(p, v); }
 inline void store16(uint16_t* p, V16 v) { store_bf16(p, v); }
 
+// 16 values of p in some order of lanes that store16_unordered puts back, for lane-wise work
+// (dot products of two such loads, sums over rows): float32 loads are plain; the AVX2 build
+// widens bfloat16 by interleaving with zeros (lanes 0-3 8-11 | 4-7 12-15), one shuffle per
+// 8 values where load16 spends a widening load and a shift, and its store then needs no
+// cross-lane permute. NOTE: the lane order is the same for every load and store of a kind.
+inline V16 load16_unordered(const float* p) { return vloadu(p); }
+inline void store16_unordered(float* p, V16 v) { vstoreu(p, v); }
+#if defined(__AVX512F__)
+inline V16 load16_unordered(const uint16_t* p) { return load_bf16(p); }
+inline void store16_unordered(uint16_t* p, V16 v) { store_bf16(p, v); }
+#else
+inline V16 load16_unordered(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw)),
+          _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw))};
+}
+inline void store16_unordered(uint16_t* p, V16 v) {
+  // NOTE: packus interleaves 128-bit lanes back: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7] are
+  // elements 0-7 | 8-15 of load16_unordered's order.
+  const __m256i lo = _mm256_srli_epi32(bf16_bits(v.lo), 16);
+  const __m256i hi = _mm256_srli_epi32(bf16_bits(v.hi), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(lo, hi));
+}
+#endif
+
 }  // namespace kvloop
