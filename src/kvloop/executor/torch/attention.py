@@ -105,6 +105,9 @@ class AttentionMetadata:
     slot_mapping: Tensor
     """[T] int64: cache slot of each new token."""
     groups: list[AttentionGroup]
+    num_positions: int
+    """One more than the step's largest position (a host int): how far tables indexed by
+    position (the model's RoPE) must reach, known without reading the positions back."""
     flex_masks: list[BlockMask] | None = None
     """One FlexAttention block mask per group when the step reads the blocks in place
     (``flex.flex_paged_attention``); None on the gather path."""
@@ -167,7 +170,8 @@ def build_metadata(
         groups = [build.decodes(lo, hi) for lo, hi in _split(ctx_l, [1] * num_decodes, 0, 0)]
         prefill_spans = _split(ctx_l, list(lengths[num_decodes:]), num_decodes, _PAIR_COST)
         groups += [build.prefills(lo, hi) for lo, hi in prefill_spans]
-    meta = AttentionMetadata(slot_mapping=slots, groups=groups)
+    meta = AttentionMetadata(slot_mapping=slots, groups=groups,
+                             num_positions=int(positions_a.max()) + 1)
     if device.type != "cpu":
         meta = _to_device(meta, device)
         positions = positions.to(device, non_blocking=True)
