@@ -18,7 +18,7 @@
 // to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
 // Queries, keys, values and outputs all go through simd.h's *_unordered loads and stores:
 // every sum is lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8
-// values instead of a widening load and a shift; the kernel 5-15 % faster on Zen 1).
+// values instead of a widening load and a shift; the kernel 4-16 % faster on Zen 1).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
