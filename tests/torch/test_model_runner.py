@@ -259,6 +259,28 @@ def test_rope_scaling_matches_transformers(
     assert_matches(model, reqs, 12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_tables_grow_to_the_same_bits(tiny: TinyModel, device: str, dtype: str) -> None:
+    """RoPE's rows come from tables grown by doubling: each row, before and after a growth,
+    is the bits of computing cos and sin for its position alone (float32, then cast)."""
+    model = make_runner(tiny, device, dtype=dtype).model
+    inv, dt = model.inv_freq, getattr(torch, dtype)
+
+    def direct(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * inv[None, :]
+        sin = freqs.sin().to(dt)
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dt), torch.cat((-sin, sin), dim=-1)
+
+    sizes = []
+    for top in (5, 300, 301, 1000, 3000):
+        positions = torch.tensor([0, top // 2, top - 1], device=model.device)
+        cos, sin = model.rope(positions, top)
+        sizes.append(model._rope_cos.shape[0])
+        want_cos, want_sin = direct(positions)
+        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    assert sizes == [256, 512, 512, 1024, 3000]
+
+
 def test_sharded_safetensors_with_index(tmp_path: Path, device: str) -> None:
     model = build_tiny(tmp_path, llama_config(), max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
