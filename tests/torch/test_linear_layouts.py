@@ -107,6 +107,36 @@ def test_int4_recovers_a_q4_1_grid() -> None:
     torch.testing.assert_close(acc.float(), (x.float() @ w.t() + b), atol=0.1, rtol=0.02)
 
 
+def test_int4_holds_a_q4_1_files_float16_scales_exactly() -> None:
+    """A Q4_1 file's blocks hold float16 scales and mins; dequantised in float32 (as a GGUF
+    reader does) and quantised again, the kernel holds those very float16 values."""
+    if not native.kernels():
+        pytest.skip("kvloop's kernels did not build here")
+    n, k = 32, 128
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 0.001).half()
+    m = (-d.float() * (7.5 + torch.randn(n, k // 32, 1, generator=g))).half()
+    w = (d.float() * codes + m.float()).view(n, k)
+    lin = Int4Linear(w, None, torch.bfloat16)
+    assert lin.scales.dtype == lin.lows.dtype == torch.float16
+    per_group = lin.scales.transpose(1, 2).reshape(n, k // 32)
+    assert torch.equal(per_group, d.view(n, k // 32))
+    assert torch.equal(lin.lows.transpose(1, 2).reshape(n, k // 32), m.view(n, k // 32))
+
+
+def test_int4_refuses_weights_beyond_float16() -> None:
+    w = torch.randn(16, 64) * 0.02
+    w[3, 40] = 1e5  # NOTE: its group's scale, (1e5 - low) / 15, fits; its offset does not
+    w[3, 41] = -7e4
+    with pytest.raises(ValueError, match=r"offset .* beyond float16's range"):
+        Int4Linear(w, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="pack_q4: scale must hold float16 values"):
+        native.pack_q4(torch.zeros(16, 32, dtype=torch.int32), torch.full((16, 1), 0.1),
+                       torch.zeros(16, 1))
+
+
 @pytest.mark.parametrize("quantization, device, dtype, field", [
     ("int8", "cpu", torch.bfloat16, "quantization must be one of int4"),
     ("int4", "cpu", torch.float32, "quantization int4 needs dtype bfloat16"),

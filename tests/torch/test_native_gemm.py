@@ -22,15 +22,18 @@ from kvloop.executor.torch.linear import (  # noqa: E402
     make_linear,
 )
 
+F16 = torch.float16
+
 
 # -- q4_linear ------------------------------------------------------------------------------
 def dequantise(w: torch.Tensor) -> torch.Tensor:
     """``Int4Linear``'s 4-bit grid of ``w`` ([N, K], groups of 32 along K: ``scale * code +
-    low``, asymmetric min/max), in float64."""
-    g = w.double().view(w.shape[0], -1, 32)
-    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = (high - low) / 15
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    low``, asymmetric min/max, scale and low rounded to float16), in float64."""
+    g = w.float().view(w.shape[0], -1, 32)
+    low = g.amin(-1, keepdim=True).half().float()
+    scale = ((g.amax(-1, keepdim=True) - low) / 15).half().float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+    low, g = low.double(), g.double()
     codes = ((g - low) / scale).round().clamp(0, 15)
     return (low + scale * codes).view(w.shape)
 
@@ -58,7 +61,7 @@ def nibble_swapped(w: torch.Tensor) -> torch.Tensor:
 
 
 def on_kernel(lin: Int4Linear) -> bool:
-    """Whether ``lin`` multiplies through ``q4_linear`` (it then holds float32 ``lows``;
+    """Whether ``lin`` multiplies through ``q4_linear`` (it then holds float16 ``lows``;
     torch's fallback holds ``scale_zeros`` instead)."""
     return hasattr(lin, "lows") and not hasattr(lin, "scale_zeros")
 
@@ -331,8 +334,8 @@ def _q4_args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str
     args: dict[str, object] = {
         "x": torch.randn(m, k).to(BF16),
         "packed": torch.zeros(n // 16, k // 32, 256, dtype=torch.uint8),
-        "scales": torch.ones(n // 16, k // 32, 16),
-        "mins": torch.zeros(n // 16, k // 32, 16),
+        "scales": torch.ones(n // 16, k // 32, 16, dtype=F16),
+        "mins": torch.zeros(n // 16, k // 32, 16, dtype=F16),
         "bias": None,
         "out": torch.empty(m, n, dtype=BF16),
         "accumulate": False,
@@ -343,18 +346,19 @@ def _q4_args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str
 
 @pytest.mark.parametrize("change, message", [
     ({"x": torch.randn(2, 48).to(BF16), "packed": torch.zeros(32 * 24, dtype=torch.uint8),
-      "scales": torch.ones(32), "mins": torch.zeros(32)}, "shapes"),
+      "scales": torch.ones(32, dtype=F16), "mins": torch.zeros(32, dtype=F16)}, "shapes"),
     ({"out": torch.empty(2, 24, dtype=BF16)}, "shapes"),
     ({"out": torch.empty(3, 32, dtype=BF16)}, "shapes"),
     ({"packed": torch.zeros(32 * 16, dtype=torch.uint8)}, "W"),
-    ({"scales": torch.ones(2, 2, 16, dtype=BF16)}, "W|Float|float"),
+    ({"scales": torch.ones(2, 2, 16, dtype=BF16)}, "W"),
+    ({"mins": torch.zeros(2, 2, 16)}, "W"),
     ({"out": torch.empty(2, 32)}, "dtypes"),
     ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
     ({"bias": torch.zeros(16)}, "bias"),
     ({"x": torch.randn(2, 64).half(), "out": torch.empty(2, 32).half()}, "bfloat16 or float32"),
     ({"x": torch.randn(2, 128).to(BF16)[:, ::2]}, "layout"),
-], ids=["k-48", "n-24", "m-out", "packed-size", "scales-dtype", "out-dtype", "bias-dtype",
-        "bias-size", "float16", "strided-x"])
+], ids=["k-48", "n-24", "m-out", "packed-size", "scales-dtype", "mins-float32", "out-dtype",
+        "bias-dtype", "bias-size", "float16", "strided-x"])
 def test_q4_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
     KERNELS.q4_linear(**_q4_args())  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
@@ -365,8 +369,8 @@ def test_q4_linear_refuses_bad_input(change: dict[str, object], message: str) ->
 def test_q4_linear_refuses_strided_weights(name: str) -> None:
     strided = {  # NOTE: each read as contiguous stays inside its storage: no crash
         "packed": torch.zeros(2, 2, 512, dtype=torch.uint8)[..., ::2],
-        "scales": torch.ones(2, 2, 32)[..., ::2],
-        "mins": torch.zeros(2, 2, 32)[..., ::2],
+        "scales": torch.ones(2, 2, 32, dtype=F16)[..., ::2],
+        "mins": torch.zeros(2, 2, 32, dtype=F16)[..., ::2],
         "bias": torch.arange(64.0)[::2],
     }[name]
     with pytest.raises(RuntimeError):

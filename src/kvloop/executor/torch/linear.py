@@ -30,12 +30,13 @@ bandwidth. The layouts:
   M=512 within 1% of it.
 - :class:`Int4Linear` (``quantization="int4"``, CPU, bfloat16 activations): weight-only
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
-  min/max, as llama.cpp's Q4_1), through kvloop's own AVX-512 VNNI kernel
-  (``native.q4_linear``, int8 activations as llama.cpp's Q8_1) where it runs, else torch's
-  ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales). A 4-bit
-  GGUF (Q4_1) dequantised at conversion is re-quantised here onto its own grid: every Q4_1
-  group holds its min (code 0) and its max (code 15), so min/max recover its scale and
-  offset (exactly with kvloop's kernel; up to the bfloat16 rounding of torch's scales).
+  min/max, as llama.cpp's Q4_1, both float16 as in its blocks), through kvloop's own
+  AVX-512 VNNI kernel (``native.q4_linear``, int8 activations as llama.cpp's Q8_1) where it
+  runs, else torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales). A
+  4-bit GGUF (Q4_1) dequantised at conversion is re-quantised here onto its own grid: every
+  Q4_1 group holds its min (code 0) and its max (code 15), so min/max recover its float16
+  scale and offset (exactly with kvloop's kernel; up to the bfloat16 rounding of torch's
+  scales).
   The LM head is stored at 8 bits (:class:`Int8Linear`, where kvloop's kernel runs), as
   llama.cpp's 4-bit files keep it (the default model's is Q8_0, found again exactly).
 """
@@ -200,7 +201,7 @@ class Int4Linear:
     with ``g = i // 32`` and ``q`` in 0..15 (module docstring). ``x`` is bfloat16 (torch's
     kernel needs it; kvloop's also takes float32).
 
-    Through kvloop's own kernel where it runs (``native.q4_linear``: float32 scales and
+    Through kvloop's own kernel where it runs (``native.q4_linear``: float16 scales and
     offsets, activations quantised per group of 32 to int8, as llama.cpp multiplies Q4_1),
     else torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 scales, bfloat16 activations)."""
 
@@ -210,8 +211,10 @@ class Int4Linear:
             raise ValueError(f"quantization int4 needs input sizes divisible by "
                              f"{INT4_GROUP}; a matrix has {in_features}")
         groups = weight.detach().float().view(out_features, -1, INT4_GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = (high - low) / 15
+        # NOTE: offsets and scales are float16 (as a Q4_1 block holds them: a fifth fewer
+        # bytes a step than float32), and the codes are taken against those rounded values.
+        low = _float16_values(groups.amin(-1), "offset")
+        scale = _float16_values((groups.amax(-1) - low) / 15, "scale")
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
         q = codes.to(torch.int32).view(out_features, in_features)
@@ -258,6 +261,17 @@ class Int4Linear:
                             self._bias32, out, accumulate=True)
         else:
             out.add_(self(x))
+
+
+def _float16_values(t: Tensor, name: str) -> Tensor:
+    """``t`` (float32) rounded to float16 values, kept as float32; ``ValueError`` where a
+    finite value is beyond float16's range (a weight group of ``quantization="int4"``)."""
+    rounded = t.half().float()
+    if not bool(torch.isfinite(rounded).all()) and bool(torch.isfinite(t).all()):
+        worst = float(t.abs().max())
+        raise ValueError(f"quantization int4 holds each group's {name} as float16: a weight "
+                         f"group's {name} {worst:g} is beyond float16's range (65504)")
+    return rounded
 
 
 class Int8Linear:

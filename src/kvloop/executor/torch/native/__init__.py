@@ -304,15 +304,25 @@ multiple of it."""
 def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``q4_linear``'s layout (``q4_linear.cpp``) of ``W[n, k] = scale[n, g] * codes[n, k]
     + low[n, g]``, ``g = k // 32``: codes ``[N, K]`` in 0..15, scale and low ``[N, K/32]``.
-    Returns the packed bytes ``[N/16, K/32, 256]`` and float32 scales and offsets ``[N/16,
-    K/32, 16]``."""
+    Returns the packed bytes ``[N/16, K/32, 256]`` and float16 scales and offsets ``[N/16,
+    K/32, 16]`` (as a Q4_1 block holds them).
+
+    NOTE: ``scale`` and ``low`` must already be float16 values (``Int4Linear`` quantises onto
+    them): a value float16 cannot hold exactly is refused, not rounded behind the codes'
+    back."""
     n, k = codes.shape
     tiles, groups = n // TILE, k // 32
     # (tile, row, group, chunk, high nibble?, byte) -> (tile, group, chunk, row, byte, nibble)
     c = codes.to(torch.uint8).view(tiles, TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     c = c.contiguous()
     packed = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 256)
-    return packed, _per_tile(scale.float()), _per_tile(low.float())
+    halves = []
+    for name, t in (("scale", scale), ("low", low)):
+        h = t.half()
+        if not torch.equal(h.float(), t.float()):
+            raise ValueError(f"pack_q4: {name} must hold float16 values")
+        halves.append(_per_tile(h))
+    return packed, halves[0], halves[1]
 
 
 def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:

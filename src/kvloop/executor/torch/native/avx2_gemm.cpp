@@ -125,8 +125,8 @@ inline __m256i broadcast4(const int8_t* p) {
 // Outputs [16 t, 16 t + 16) of rows [m0, m0 + R): acc[2 r + h] holds half h (8 outputs).
 struct Q4Tiles {
   const uint8_t* packed;
-  const float* scales;
-  const float* mins;
+  const uint16_t* scales;  // float16
+  const uint16_t* mins;    // float16
   const QuantRows& q;
   int64_t K, G;
 
@@ -138,15 +138,15 @@ struct Q4Tiles {
   void rows(int64_t t, int64_t m0, __m256* acc) const {
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const uint8_t* w = packed + t * G * 256;
-    const float* d = scales + t * G * kTile;
-    const float* mn = mins + t * G * kTile;
+    const uint16_t* d = scales + t * G * kTile;
+    const uint16_t* mn = mins + t * G * kTile;
     for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       if (m0 == 0) {  // NOTE: later row passes find the tile in L1
         constexpr int64_t ahead = kAheadBytes / 256;
         prefetch<256>(w + (g + ahead) * 256);
-        prefetch<64>(d + (g + ahead) * kTile);
-        prefetch<64>(mn + (g + ahead) * kTile);
+        prefetch<32>(d + (g + ahead) * kTile);
+        prefetch<32>(mn + (g + ahead) * kTile);
       }
       __m256i s[2 * R];
       for (int i = 0; i < 2 * R; ++i) s[i] = _mm256_setzero_si256();
@@ -170,9 +170,9 @@ struct Q4Tiles {
           }
         }
       }
+      const V16 dg = kvloop::load_f16(d + g * kTile), mg = kvloop::load_f16(mn + g * kTile);
       for (int h = 0; h < 2; ++h) {
-        const __m256 dv = _mm256_loadu_ps(d + g * kTile + 8 * h);
-        const __m256 mv = _mm256_loadu_ps(mn + g * kTile + 8 * h);
+        const __m256 dv = h ? dg.hi : dg.lo, mv = h ? mg.hi : mg.lo;
         for (int r = 0; r < R; ++r) {
           const int64_t m = m0 + r;
           const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[2 * r + h], ones));
@@ -318,11 +318,12 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
 template <typename MakeTiles>
 void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
               at::ScalarType packed_type, int64_t bits, const at::Tensor& scales,
-              const at::Tensor& extra, at::ScalarType extra_type,
+              at::ScalarType scale_type, const at::Tensor& extra, at::ScalarType extra_type,
               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
               MakeTiles&& make_tiles) {
   check_gemm(name, x, out);
-  check_weights(name, x, out, packed, packed_type, bits, scales, extra, extra_type);
+  check_weights(name, x, out, packed, packed_type, bits, scales, scale_type, extra,
+                extra_type);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* b = bias_data(name, bias, out);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
@@ -338,10 +339,11 @@ void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias, at::Tensor& out,
                bool accumulate) {
-  int_gemm("q4_linear", x, packed, at::kByte, 4, scales, mins, at::kFloat, bias, out,
+  int_gemm("q4_linear", x, packed, at::kByte, 4, scales, at::kHalf, mins, at::kHalf, bias, out,
            accumulate, [&](const QuantRows& rows, int64_t K) {
-             return Q4Tiles{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                            mins.data_ptr<float>(), rows, K, K / kGroup};
+             return Q4Tiles{packed.data_ptr<uint8_t>(),
+                            static_cast<const uint16_t*>(scales.data_ptr()),
+                            static_cast<const uint16_t*>(mins.data_ptr()), rows, K, K / kGroup};
            });
 }
 
@@ -350,7 +352,8 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias, at::Tensor& out,
                bool accumulate) {
-  int_gemm("q8_linear", x, packed, at::kChar, 8, scales, corr, at::kInt, bias, out, accumulate,
+  int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kFloat, corr, at::kInt, bias, out,
+           accumulate,
            [&](const QuantRows& rows, int64_t K) {
              return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, K,
                             K / kGroup};

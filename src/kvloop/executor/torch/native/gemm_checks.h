@@ -48,14 +48,15 @@ void by_activation_dtype(const char* name, const at::Tensor& x, at::Tensor& out,
 }
 
 // The weights of an integer GEMM: ``packed`` (``bits`` per weight, of ``packed_type``) and
-// two per-(output, group) tensors, float32 ``scales`` and ``extra`` (of ``extra_type``).
+// two per-(output, group) tensors, ``scales`` (of ``scale_type``) and ``extra`` (of
+// ``extra_type``).
 inline void check_weights(const char* name, const at::Tensor& x, const at::Tensor& out,
                           const at::Tensor& packed, at::ScalarType packed_type, int64_t bits,
-                          const at::Tensor& scales, const at::Tensor& extra,
-                          at::ScalarType extra_type) {
+                          const at::Tensor& scales, at::ScalarType scale_type,
+                          const at::Tensor& extra, at::ScalarType extra_type) {
   const int64_t K = x.size(1), N = out.size(1);
   TORCH_CHECK(packed.scalar_type() == packed_type && packed.numel() == N * K * bits / 8 &&
-                  scales.scalar_type() == at::kFloat && scales.numel() == N * K / kGroup &&
+                  scales.scalar_type() == scale_type && scales.numel() == N * K / kGroup &&
                   extra.scalar_type() == extra_type && extra.numel() == N * K / kGroup,
               name, ": W");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && extra.is_contiguous() &&

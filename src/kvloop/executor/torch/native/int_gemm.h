@@ -119,17 +119,18 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // The body of an integer GEMM's entry point: checks x, out, the weights (``packed``, ``bits``
-// per weight, and two per-(output, group) tensors: float32 ``scales`` and ``extra``) and the
-// bias, quantises x's rows (``offset``: as unsigned bytes), then out (+)= the tiles of
+// per weight, and two per-(output, group) tensors: ``scales`` of ``scale_type`` and ``extra`` of
+// ``extra_type``) and the bias, quantises x's rows (``offset``: as unsigned bytes), then out (+)= the tiles of
 // ``make_tiles(rows, K)`` (+ bias).
 template <typename MakeTiles>
 void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
               at::ScalarType packed_type, int64_t bits, const at::Tensor& scales,
-              const at::Tensor& extra, at::ScalarType extra_type,
+              at::ScalarType scale_type, const at::Tensor& extra, at::ScalarType extra_type,
               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
               bool offset, MakeTiles&& make_tiles) {
   check_gemm(name, x, out);
-  check_weights(name, x, out, packed, packed_type, bits, scales, extra, extra_type);
+  check_weights(name, x, out, packed, packed_type, bits, scales, scale_type, extra,
+                extra_type);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* b = bias_data(name, bias, out);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {

@@ -8,7 +8,7 @@
 // Packed layout (built by kvloop.executor.torch.native.pack_q4): [N/16][K/32][256] bytes.
 // For 16 outputs and one group, chunk c (64 bytes, c = 0..3) holds, at byte 4 * n + j, the
 // code of k = 8c + j in its low nibble and of k = 8c + 4 + j in its high one. Scales d and
-// offsets m are float32 [N/16][K/32][16].
+// offsets m are float16 [N/16][K/32][16] (as a Q4_1 block's), widened exactly to float32.
 #include "int_gemm.h"
 #include "kernels.h"
 
@@ -20,8 +20,8 @@ using kvloop::QuantRows;
 
 struct Q4Tiles {
   const uint8_t* packed;
-  const float* scales;
-  const float* mins;
+  const uint16_t* scales;  // float16
+  const uint16_t* mins;    // float16
   const QuantRows& q;
   int64_t K, G;
 
@@ -32,8 +32,8 @@ struct Q4Tiles {
   void rows(int64_t t, int64_t m0, __m512* acc) const {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const uint8_t* w = packed + t * G * 256;
-    const float* d = scales + t * G * kTile;
-    const float* mn = mins + t * G * kTile;
+    const uint16_t* d = scales + t * G * kTile;
+    const uint16_t* mn = mins + t * G * kTile;
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = w + g * 256;
@@ -43,8 +43,8 @@ struct Q4Tiles {
         wl[c] = _mm512_and_si512(v, nib);
         wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       }
-      const __m512 dv = _mm512_loadu_ps(d + g * kTile);
-      const __m512 mv = _mm512_loadu_ps(mn + g * kTile);
+      const __m512 dv = kvloop::load_f16(d + g * kTile);
+      const __m512 mv = kvloop::load_f16(mn + g * kTile);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const int8_t* a = q.a.data() + m * K + g * kGroup;
@@ -66,9 +66,11 @@ struct Q4Tiles {
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4, scales, mins, at::kFloat, bias, out,
-                   accumulate, false, [&](const QuantRows& rows, int64_t K) {
-                     return Q4Tiles{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                    mins.data_ptr<float>(), rows, K, K / kGroup};
+  kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4, scales, at::kHalf, mins, at::kHalf,
+                   bias, out, accumulate, false, [&](const QuantRows& rows, int64_t K) {
+                     return Q4Tiles{packed.data_ptr<uint8_t>(),
+                                    static_cast<const uint16_t*>(scales.data_ptr()),
+                                    static_cast<const uint16_t*>(mins.data_ptr()), rows, K,
+                                    K / kGroup};
                    });
 }

@@ -58,7 +58,8 @@ struct Q8Tiles {
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  kvloop::int_gemm("q8_linear", x, packed, at::kChar, 8, scales, corr, at::kInt, bias, out,
+  kvloop::int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kFloat, corr, at::kInt,
+                   bias, out,
                    accumulate, true, [&](const QuantRows& rows, int64_t K) {
                      return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
                                     corr.data_ptr<int32_t>(), rows, K, K / kGroup};

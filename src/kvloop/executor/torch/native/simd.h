@@ -60,6 +60,11 @@ inline V16 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 float16 values (raw 16-bit) widened to float32 (exact).
+inline V16 load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // float32 to bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN kept NaN.
 inline __m256i to_bf16(V16 v) {
   __m512i bits = _mm512_castps_si512(v);
@@ -162,6 +167,10 @@ inline __m256 widen_bf16(__m128i raw) {
 inline V16 load_bf16(const uint16_t* p) {
   return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline V16 load_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 
 // The float32 bits of v rounded to nearest even at bfloat16 precision (low 16 bits not yet
