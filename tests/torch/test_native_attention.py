@@ -284,6 +284,35 @@ def test_default_model_int4_decodes_in_place_as_gathered(monkeypatch: pytest.Mon
     assert max(gaps) < 0.06 and sum(gaps) / len(gaps) < 0.04, gaps
 
 
+# -- the metadata of a decodes-only step ----------------------------------------------------
+def test_decode_step_metadata_matches_the_general_builder() -> None:
+    """A decodes-only step's metadata (built from lists) holds what the general builder gives
+    the same decodes in a step with a prefill: tables, lengths, slots and positions."""
+    rng = random.Random(5)
+    for _ in range(40):
+        n, bs = rng.randint(1, 9), rng.choice([1, 4, 16])
+        starts = sorted(rng.randint(0, 90) for _ in range(n))
+        tables = [rng.sample(range(1, 400), s // bs + 1 + rng.randint(0, 2)) for s in starts]
+        kw = {"block_size": bs, "device": torch.device("cpu"), "dtype": BF16, "native": True}
+        meta, positions = build_metadata(starts=starts, lengths=[1] * n, block_tables=tables,
+                                         num_decodes=n, **kw)
+        mixed, mixed_positions = build_metadata(
+            starts=[*starts, 0], lengths=[1] * n + [3], block_tables=[*tables, [500, 501, 502]],
+            num_decodes=n, **kw)
+        got, want = meta.groups[0], mixed.groups[0]
+        assert len(meta.groups) == 1 and len(mixed.groups) == 2
+        assert (got.row_start, got.row_end, got.num_seqs) == (want.row_start, want.row_end, n)
+        assert torch.equal(got.blocks, want.blocks)
+        assert torch.equal(got.context_lens, want.context_lens)
+        assert got.starts is None and got.mask is None
+        assert torch.equal(meta.slot_mapping, mixed.slot_mapping[:n])
+        assert torch.equal(positions, mixed_positions[:n])
+        assert meta.num_positions == max(starts) + 1
+    with pytest.raises(ValueError, match="a block table holds 1 blocks; position 16 needs 2"):
+        build_metadata(starts=[16], lengths=[1], block_tables=[[3]], num_decodes=1,
+                       block_size=16, device=torch.device("cpu"), dtype=BF16, native=True)
+
+
 # -- a non-finite value never becomes a finite answer ---------------------------------------
 def test_decode_attention_propagates_nan() -> None:
     """A NaN in one sequence's keys makes that KV head's outputs NaN, nothing else."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvloop.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -334,8 +335,10 @@ class TorchModelRunner:
             flex_pool_blocks=self.num_gpu_blocks if self.flex_attention else None,
             native=self.native_attention,
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)
+        ids_t = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(dev, non_blocking=True)
+        # NOTE: None when every row samples (they are then rows 0..T-1 in order).
+        rows_t = (None if len(logits_rows) == len(input_ids) else
+                  torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True))
         logits = self.model.forward(ids_t, positions, self.kv_cache.layers, meta, rows_t)
         if not sample_ids:
             return {}, None
