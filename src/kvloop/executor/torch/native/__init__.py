@@ -3,7 +3,7 @@
 torch's CPU build has no kernel for what a small-batch decode step spends its time on
 beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships its own:
 
-- ``q4_linear``: 4-bit weights (groups of 32, a float32 scale and offset each: llama.cpp's
+- ``q4_linear``: 4-bit weights (groups of 32, a float16 scale and offset each: llama.cpp's
   Q4_1) times activations quantised per group of 32 to int8 (llama.cpp's Q8_1), with
   ``vpdpbusd``; ``linear.Int4Linear`` uses it.
 - ``q8_linear``: the same with 8-bit weights (llama.cpp's Q8_0), for the LM head under
