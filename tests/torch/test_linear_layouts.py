@@ -130,7 +130,10 @@ def test_int4_refuses_weights_beyond_float16() -> None:
     w = torch.randn(16, 64) * 0.02
     w[3, 40] = 1e5  # NOTE: its group's scale, (1e5 - low) / 15, fits; its offset does not
     w[3, 41] = -7e4
-    with pytest.raises(ValueError, match=r"offset .* beyond float16's range"):
+    with pytest.raises(ValueError, match=r"offset as float16 .*: a weight group's offset is 70000"):
+        Int4Linear(w, None, torch.bfloat16)
+    w[3, 41] = float("nan")
+    with pytest.raises(ValueError, match="a weight group's offset is nan"):
         Int4Linear(w, None, torch.bfloat16)
     with pytest.raises(ValueError, match="pack_q4: scale must hold float16 values"):
         native.pack_q4(torch.zeros(16, 32, dtype=torch.int32), torch.full((16, 1), 0.1),

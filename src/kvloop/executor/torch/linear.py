@@ -264,13 +264,14 @@ class Int4Linear:
 
 
 def _float16_values(t: Tensor, name: str) -> Tensor:
-    """``t`` (float32) rounded to float16 values, kept as float32; ``ValueError`` where a
-    finite value is beyond float16's range (a weight group of ``quantization="int4"``)."""
+    """``t`` (float32) rounded to float16 values, kept as float32; ``ValueError`` where one
+    is not finite in float16 (a weight group of ``quantization="int4"`` beyond its range, or
+    holding a NaN or an infinity)."""
     rounded = t.half().float()
-    if not bool(torch.isfinite(rounded).all()) and bool(torch.isfinite(t).all()):
+    if not bool(torch.isfinite(rounded).all()):
         worst = float(t.abs().max())
-        raise ValueError(f"quantization int4 holds each group's {name} as float16: a weight "
-                         f"group's {name} {worst:g} is beyond float16's range (65504)")
+        raise ValueError(f"quantization int4 holds each group's {name} as float16 (at most "
+                         f"65504 in magnitude): a weight group's {name} is {worst:g}")
     return rounded
 
 
