@@ -192,8 +192,7 @@ def _native_decode_metadata(
 
     NOTE: a decode step's commonest case. numpy's index arithmetic cost ~0.16 ms of it at
     one sequence (a dozen array ops of a few µs each, slower with the code cold after the
-    step's weights streamed through the caches); here each tensor is one ``np.array`` and
-    one ``torch.from_numpy`` (~5 µs; ``torch.tensor`` of a list takes ~10 µs)."""
+    step's weights streamed through the caches); here each tensor is one ``long_tensor``."""
     width = max(starts) // block_size + 1  # blocks of the longest context (start + 1 slots)
     table: list[int] = []  # NOTE: [n * width], each row padded with block 0 as the table
     slots: list[int] = []
@@ -206,14 +205,16 @@ def _native_decode_metadata(
         table.extend(blocks[:need])
         table.extend([0] * (width - need))
     n = len(starts)
-    group = AttentionGroup(0, n, n, _long(table), None, context_lens=_long([s + 1 for s in starts]))
-    meta = AttentionMetadata(slot_mapping=_long(slots), groups=[group],
+    lens = long_tensor([s + 1 for s in starts])
+    group = AttentionGroup(0, n, n, long_tensor(table), None, context_lens=lens)
+    meta = AttentionMetadata(slot_mapping=long_tensor(slots), groups=[group],
                              num_positions=max(starts) + 1)
-    return meta, _long(starts)
+    return meta, long_tensor(starts)
 
 
-def _long(values: Sequence[int]) -> Tensor:
-    """An int64 CPU tensor of ``values``."""
+def long_tensor(values: Sequence[int]) -> Tensor:
+    """An int64 CPU tensor of ``values`` (NOTE: ``np.array`` + ``torch.from_numpy``, ~5 µs
+    on CPU where ``torch.tensor`` of a list takes ~10)."""
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvloop.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvloop.executor.torch import native
-from kvloop.executor.torch.attention import build_metadata
+from kvloop.executor.torch.attention import build_metadata, long_tensor
 from kvloop.executor.torch.kv_cache import (
     KVCache,
     block_bytes,
@@ -335,7 +334,7 @@ class TorchModelRunner:
             flex_pool_blocks=self.num_gpu_blocks if self.flex_attention else None,
             native=self.native_attention,
         )
-        ids_t = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(dev, non_blocking=True)
+        ids_t = long_tensor(input_ids).to(dev, non_blocking=True)
         # NOTE: None when every row samples (they are then rows 0..T-1 in order).
         rows_t = (None if len(logits_rows) == len(input_ids) else
                   torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True))
