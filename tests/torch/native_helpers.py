@@ -29,7 +29,7 @@ def q8_args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str,
     args: dict[str, object] = {
         "x": torch.randn(m, k).to(BF16),
         "packed": torch.zeros(n // 16, k // 32, 512, dtype=torch.int8),
-        "scales": torch.ones(n // 16, k // 32, 16),
+        "scales": torch.ones(n // 16, k // 32, 16, dtype=torch.float16),
         "corr": torch.zeros(n // 16, k // 32, 16, dtype=torch.int32),
         "bias": None,
         "out": torch.empty(m, n, dtype=BF16),

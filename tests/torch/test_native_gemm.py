@@ -178,9 +178,10 @@ def assert_exact_up_to_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tenso
 # -- q8_linear ------------------------------------------------------------------------------
 def dequantise_q8(w: torch.Tensor) -> torch.Tensor:
     """``Int8Linear``'s 8-bit grid of ``w`` ([N, K], groups of 32 along K: ``scale * code``,
-    ``scale = absmax / 127`` in float32, codes in -127..127, llama.cpp's Q8_0), in float64."""
+    ``scale = absmax / 127`` rounded to float16, codes in -127..127, llama.cpp's Q8_0), in
+    float64."""
     g = w.float().view(w.shape[0], -1, 32)
-    scale = g.abs().amax(-1, keepdim=True) / 127
+    scale = (g.abs().amax(-1, keepdim=True) / 127).half().float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (g / scale).round().clamp(-127, 127)
     return (codes.double() * scale.double()).view(w.shape)
@@ -259,28 +260,49 @@ def q8_grid_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("n, k", [(16, 32), (64, 256), (160, 96)])
 def test_pack_q8_finds_a_q8_0_grid_again(n: int, k: int) -> None:
     w, codes, scale = q8_grid_weight(n, k, seed=n + k)
-    packed, scales, corr = native.pack_q8(w)
+    lin = Int8Linear(w, None)
+    packed, scales, corr = lin.packed, lin.scales, lin.corr
     # NOTE: the kernel reads the bytes in order: their count and contiguity matter, not the
     # tensor's shape (pack_q8's docstring says [N/16, K/32, 512]; it returns that as
     # [N/16, K/32, 8, 16, 4]).
     assert packed.dtype == torch.int8 and packed.numel() == n * k and packed.is_contiguous()
     assert packed.shape[:2] == (n // 16, k // 32)
-    assert scales.dtype == torch.float32 and scales.shape == (n // 16, k // 32, 16)
+    assert scales.dtype == torch.float16 and scales.shape == (n // 16, k // 32, 16)
     assert corr.dtype == torch.int32 and corr.shape == (n // 16, k // 32, 16)
     got_codes, got_scale, got_corr = unpack_q8(packed, scales, corr)
     assert torch.equal(got_codes.long(), codes)
-    assert torch.equal(got_scale, scale)
+    assert torch.equal(got_scale.float(), scale)
     assert torch.equal(got_corr, 128 * codes.view(n, -1, 32).sum(-1).int())
-    dequantised = (got_scale[..., None] * got_codes.float().view(n, -1, 32)).view(n, k)
+    dequantised = (got_scale.float()[..., None] * got_codes.float().view(n, -1, 32)).view(n, k)
     assert torch.equal(dequantised, w)
     assert torch.equal(dequantise_q8(w), w.double())
     # Off the grid the codes still span -127..127 per group, and corr follows them.
     off = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05
-    off_codes, off_scale, off_corr = unpack_q8(*native.pack_q8(off))
+    lin = Int8Linear(off, None)
+    off_codes, off_scale, off_corr = unpack_q8(lin.packed, lin.scales, lin.corr)
     groups = off_codes.view(n, -1, 32).long()
-    assert bool((groups.abs().amax(-1) == 127).all())
+    assert bool((groups.abs().amax(-1) >= 126).all())  # NOTE: 127 up to the float16 scale
     assert torch.equal(off_corr, 128 * groups.sum(-1).int())
-    assert torch.equal(off_scale, off.view(n, -1, 32).abs().amax(-1) / 127)
+    assert torch.equal(off_scale, (off.view(n, -1, 32).abs().amax(-1) / 127).half())
+    # The codes are the nearest against the float16 scale, not against the float32 one.
+    off_groups = off.view(n, -1, 32)
+    assert torch.equal(groups, (off_groups / off_scale.float()[..., None]).round().clamp(-127, 127)
+                       .long())
+
+
+def test_int8_refuses_weights_beyond_float16() -> None:
+    """The LM head under int4 (8 bits, float16 scales as Q8_0's): a group whose scale
+    (amax / 127) float16 cannot hold, or a NaN weight, is refused by name."""
+    w = torch.randn(16, 64) * 0.02
+    w[5, 3] = -1e7  # NOTE: scale 78740, beyond float16's 65504
+    with pytest.raises(ValueError, match=r"quantization int8 holds each group's scale as "
+                                         r"float16 .*: a weight group's scale is 78740"):
+        Int8Linear(w, None)
+    w[5, 3] = float("nan")
+    with pytest.raises(ValueError, match="a weight group's scale is nan"):
+        Int8Linear(w, None)
+    with pytest.raises(ValueError, match="pack_q8: scale must hold float16 values"):
+        native.pack_q8(torch.zeros(16, 32, dtype=torch.int8), torch.full((16, 1), 0.1))
 
 
 @pytest.mark.parametrize("m", [1, 4, 6])
@@ -386,10 +408,11 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
     ({"packed": torch.zeros(32 * 16, dtype=torch.int8)}, "W"),
     ({"packed": torch.zeros(2, 2, 512, dtype=torch.uint8)}, "W"),
     ({"scales": torch.ones(2, 2, 16, dtype=BF16)}, "W"),
+    ({"scales": torch.ones(2, 2, 16)}, "W"),
     ({"corr": torch.zeros(2, 2, 16, dtype=torch.int64)}, "W"),
     ({"corr": torch.zeros(2, 1, 16, dtype=torch.int32)}, "W"),
     ({"packed": torch.zeros(2, 2, 1024, dtype=torch.int8)[..., ::2]}, "contiguous"),
-    ({"scales": torch.ones(2, 2, 32)[..., ::2]}, "contiguous"),
+    ({"scales": torch.ones(2, 2, 32, dtype=torch.float16)[..., ::2]}, "contiguous"),
     ({"corr": torch.zeros(2, 2, 32, dtype=torch.int32)[..., ::2]}, "contiguous"),
     ({"out": torch.empty(2, 32)}, "dtypes"),
     ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
@@ -399,8 +422,8 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
     ({"x": torch.randn(2, 128).to(BF16)[:, ::2]}, "layout"),
     ({"out": torch.empty(2, 64, dtype=BF16)[:, ::2]}, "layout"),
     ({"x": torch.randn(2, 1, 64).to(BF16)}, "layout"),
-], ids=["k-48", "n-24", "m-out", "packed-size", "packed-uint8", "scales-dtype", "corr-int64",
-        "corr-size", "strided-packed", "strided-scales", "strided-corr", "out-dtype",
+], ids=["k-48", "n-24", "m-out", "packed-size", "packed-uint8", "scales-dtype", "scales-float32",
+        "corr-int64", "corr-size", "strided-packed", "strided-scales", "strided-corr", "out-dtype",
         "bias-dtype", "bias-size", "strided-bias", "float16", "strided-x", "strided-out",
         "x-3d"])
 def test_q8_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:

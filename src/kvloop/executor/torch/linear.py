@@ -213,8 +213,8 @@ class Int4Linear:
         groups = weight.detach().float().view(out_features, -1, INT4_GROUP)
         # NOTE: offsets and scales are float16 (as a Q4_1 block holds them: a fifth fewer
         # bytes a step than float32), and the codes are taken against those rounded values.
-        low = _float16_values(groups.amin(-1), "offset")
-        scale = _float16_values((groups.amax(-1) - low) / 15, "scale")
+        low = _float16_values(groups.amin(-1), "int4", "offset")
+        scale = _float16_values((groups.amax(-1) - low) / 15, "int4", "scale")
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
         q = codes.to(torch.int32).view(out_features, in_features)
@@ -263,29 +263,37 @@ class Int4Linear:
             out.add_(self(x))
 
 
-def _float16_values(t: Tensor, name: str) -> Tensor:
+def _float16_values(t: Tensor, quantization: str, name: str) -> Tensor:
     """``t`` (float32) rounded to float16 values, kept as float32; ``ValueError`` where one
-    is not finite in float16 (a weight group of ``quantization="int4"`` beyond its range, or
+    is not finite in float16 (a weight group of ``quantization`` beyond its range, or
     holding a NaN or an infinity)."""
     rounded = t.half().float()
     if not bool(torch.isfinite(rounded).all()):
         worst = float(t.abs().max())
-        raise ValueError(f"quantization int4 holds each group's {name} as float16 (at most "
-                         f"65504 in magnitude): a weight group's {name} is {worst:g}")
+        raise ValueError(f"quantization {quantization} holds each group's {name} as float16 "
+                         f"(at most 65504 in magnitude): a weight group's {name} is {worst:g}")
     return rounded
 
 
 class Int8Linear:
     """Weight-only int8 ``x @ W.T``, ``W[o, i] ~ scale[o, g] * q[o, i]``, ``g = i // 32``,
-    ``q`` in -127..127 (llama.cpp's Q8_0, the LM head of its 4-bit files), through kvloop's
-    own kernel (``native.q8_linear``, activations quantised per 32 to int8). CPU only, where
-    the kernel runs (:func:`make_linear` falls back to the dense layouts elsewhere)."""
+    ``q`` in -127..127 and ``scale = amax / 127`` rounded to float16 (llama.cpp's Q8_0, the
+    LM head of its 4-bit files: a Q8_0 file's values are found again exactly), through
+    kvloop's own kernel (``native.q8_linear``, activations quantised per 32 to int8). CPU
+    only, where the kernel runs (:func:`make_linear` falls back to the dense layouts
+    elsewhere)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         if native.kernels() is None:
             raise RuntimeError("Int8Linear needs kvloop's CPU kernels (native.kernels())")
-        self.packed, self.scales, self.corr = native.pack_q8(weight)
+        groups = weight.detach().float().view(self.out_features, -1, INT4_GROUP)
+        # NOTE: float16 scales (as a Q8_0 block holds them: half the scale bytes of float32,
+        # 1.8 MB a step less for SmolLM2's head), the codes taken against the rounded values.
+        scale = _float16_values(groups.abs().amax(-1) / 127, "int8", "scale")
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = (groups / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.packed, self.scales, self.corr = native.pack_q8(codes.view(weight.shape), scale)
         self._bias32 = None if bias is None else bias.float().contiguous()
 
     @property

@@ -316,31 +316,34 @@ def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, 
     c = codes.to(torch.uint8).view(tiles, TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     c = c.contiguous()
     packed = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 256)
-    halves = []
-    for name, t in (("scale", scale), ("low", low)):
-        h = t.half()
-        if not torch.equal(h.float(), t.float()):
-            raise ValueError(f"pack_q4: {name} must hold float16 values")
-        halves.append(_per_tile(h))
-    return packed, halves[0], halves[1]
+    return packed, _float16_tiles("pack_q4", "scale", scale), _float16_tiles("pack_q4", "low", low)
 
 
-def pack_q8(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``q8_linear``'s layout (``q8_linear.cpp``) of ``weight`` ``[N, K]`` quantised per
-    group of 32 inputs to int8 with a float32 scale (llama.cpp's Q8_0: ``amax / 127``, which
-    recovers a Q8_0 file's values exactly). Returns the packed bytes ``[N/16, K/32, 512]``,
-    the scales and the offset corrections ``128 * sum(w)`` ``[N/16, K/32, 16]``."""
-    n, k = weight.shape
+def pack_q8(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q8_linear``'s layout (``q8_linear.cpp``) of ``W[n, k] = scale[n, g] * codes[n, k]``,
+    ``g = k // 32``: codes ``[N, K]`` in -127..127, scale ``[N, K/32]`` (llama.cpp's Q8_0).
+    Returns the packed bytes ``[N/16, K/32, 512]``, the float16 scales (as a Q8_0 block holds
+    them) and the offset corrections ``128 * sum(codes)`` ``[N/16, K/32, 16]``.
+
+    NOTE: ``scale`` must already hold float16 values (``Int8Linear`` quantises onto them),
+    as ``pack_q4``'s."""
+    n, k = codes.shape
     tiles, groups = n // TILE, k // 32
-    g = weight.detach().float().view(n, groups, 32)
-    scale = g.abs().amax(-1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    codes = codes.to(torch.int8)
     # (tile, row, group, chunk, byte) -> (tile, group, chunk, row, byte)
     packed = codes.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
     packed = packed.reshape(tiles, groups, 512)
-    corr = 128 * codes.sum(-1, dtype=torch.int32)
-    return packed, _per_tile(scale), _per_tile(corr)
+    corr = 128 * codes.view(n, groups, 32).sum(-1, dtype=torch.int32)
+    return packed, _float16_tiles("pack_q8", "scale", scale), _per_tile(corr)
+
+
+def _float16_tiles(kernel: str, name: str, values: Tensor) -> Tensor:
+    """``values`` ``[N, K/32]`` as float16 ``[N/16, K/32, 16]``; ``ValueError`` naming
+    ``name`` where one is not a float16 value (it would be rounded behind the codes' back)."""
+    h = values.half()
+    if not torch.equal(h.float(), values.float()):
+        raise ValueError(f"{kernel}: {name} must hold float16 values")
+    return _per_tile(h)
 
 
 def bf16_supported() -> bool:

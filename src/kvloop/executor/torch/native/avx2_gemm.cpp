@@ -187,7 +187,7 @@ struct Q4Tiles {
 
 struct Q8Tiles {
   const int8_t* packed;
-  const float* scales;
+  const uint16_t* scales;  // float16
   const QuantRows& q;
   int64_t K, G;
 
@@ -197,13 +197,13 @@ struct Q8Tiles {
   void rows(int64_t t, int64_t m0, __m256* acc) const {
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* w = packed + t * G * 512;
-    const float* d = scales + t * G * kTile;
+    const uint16_t* d = scales + t * G * kTile;
     for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       if (m0 == 0) {  // NOTE: later row passes find the tile in L1
         constexpr int64_t ahead = kAheadBytes / 512;
         prefetch<512>(w + (g + ahead) * 512);
-        prefetch<64>(d + (g + ahead) * kTile);
+        prefetch<32>(d + (g + ahead) * kTile);
       }
       __m256i s[2 * R];
       for (int i = 0; i < 2 * R; ++i) s[i] = _mm256_setzero_si256();
@@ -224,8 +224,9 @@ struct Q8Tiles {
           }
         }
       }
+      const V16 dg = kvloop::load_f16(d + g * kTile);
       for (int h = 0; h < 2; ++h) {
-        const __m256 dv = _mm256_loadu_ps(d + g * kTile + 8 * h);
+        const __m256 dv = h ? dg.hi : dg.lo;
         for (int r = 0; r < R; ++r) {
           const __m256 dot = _mm256_cvtepi32_ps(s[2 * r + h]);
           __m256& o = acc[2 * r + h];
@@ -352,10 +353,10 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias, at::Tensor& out,
                bool accumulate) {
-  int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kFloat, corr, at::kInt, bias, out,
-           accumulate,
-           [&](const QuantRows& rows, int64_t K) {
-             return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), rows, K,
+  int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kHalf, corr, at::kInt, bias, out,
+           accumulate, [&](const QuantRows& rows, int64_t K) {
+             return Q8Tiles{packed.data_ptr<int8_t>(),
+                            static_cast<const uint16_t*>(scales.data_ptr()), rows, K,
                             K / kGroup};
            });
 }

@@ -7,7 +7,8 @@
 //
 // Packed layout (built by kvloop.executor.torch.native.pack_q8): [N/16][K/32][512] bytes.
 // For 16 outputs and one group, chunk c (64 bytes, c = 0..7) holds at byte 4 * n + j the
-// weight of k = 4c + j. Scales d are float32 and corr int32, both [N/16][K/32][16].
+// weight of k = 4c + j. Scales d are float16 (as a Q8_0 block's, widened exactly to float32)
+// and corr int32, both [N/16][K/32][16].
 #include "int_gemm.h"
 #include "kernels.h"
 
@@ -19,7 +20,7 @@ using kvloop::QuantRows;
 
 struct Q8Tiles {
   const int8_t* packed;
-  const float* scales;
+  const uint16_t* scales;  // float16
   const int32_t* corr;
   const QuantRows& q;
   int64_t K, G;
@@ -30,13 +31,13 @@ struct Q8Tiles {
   template <int R, int W>
   void rows(int64_t t, int64_t m0, __m512* acc) const {
     const int8_t* w = packed + t * G * 512;
-    const float* d = scales + t * G * kTile;
+    const uint16_t* d = scales + t * G * kTile;
     const int32_t* cr = corr + t * G * kTile;
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       __m512i wv[8];
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + g * 512 + 64 * c);
-      const __m512 dv = _mm512_loadu_ps(d + g * kTile);
+      const __m512 dv = kvloop::load_f16(d + g * kTile);
       const __m512i cv = _mm512_loadu_si512(cr + g * kTile);
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
@@ -58,10 +59,11 @@ struct Q8Tiles {
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& corr, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  kvloop::int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kFloat, corr, at::kInt,
+  kvloop::int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kHalf, corr, at::kInt,
                    bias, out,
                    accumulate, true, [&](const QuantRows& rows, int64_t K) {
-                     return Q8Tiles{packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                     return Q8Tiles{packed.data_ptr<int8_t>(),
+                                    static_cast<const uint16_t*>(scales.data_ptr()),
                                     corr.data_ptr<int32_t>(), rows, K, K / kGroup};
                    });
 }
