@@ -75,6 +75,24 @@ def test_float_linear_is_torchs_product(kind: type, m: int) -> None:
     torch.testing.assert_close(strided, torch.nn.functional.linear(wide[:, :128], w), **tol)
 
 
+@pytest.mark.skipif(KERNELS.__name__ != native.AVX2.name,
+                    reason="the AVX2 build's bf16_linear (the full one has vdpbf16ps)")
+@pytest.mark.parametrize("m", [9, 17, 64])
+def test_avx2_bf16_linear_of_many_rows_is_f32_linear_on_the_widened_values(m: int) -> None:
+    """Above 8 rows the AVX2 ``bf16_linear`` widens each tile once into a thread's scratch
+    and runs ``f32_linear``'s loop on it: the same bits as ``f32_linear`` on the widened
+    operands. Shapes alternate between calls, so a copy left from another matrix (another
+    K, another tile) would show."""
+    gen = torch.Generator().manual_seed(m)
+    mats = [(torch.randn(n, k, generator=gen) * 0.05).to(BF16) for n, k in [(160, 96), (48, 256)]]
+    for _ in range(2):
+        for w in mats:
+            x = torch.randn(m, w.shape[1], generator=gen).to(BF16)
+            bias = torch.randn(w.shape[0], generator=gen).to(BF16)
+            y = Bf16Linear(w, bias)(x)
+            assert torch.equal(y, F32Linear(w.float(), bias.float())(x.float()).to(BF16))
+
+
 def test_pack_layouts() -> None:
     """bfloat16 ``[N/16, K/2, 16, 2]``: the pair of inputs (2p, 2p + 1) of output 16 t + i at
     ``[t, p, i]``; float32 ``[N/16, K, 16]``: input k of output 16 t + i at ``[t, k, i]``."""
