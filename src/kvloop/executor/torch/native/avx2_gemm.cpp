@@ -255,8 +255,10 @@ inline float* thread_scratch(int64_t floats) {
 //   More rows (prefill chunks, steps mixing them with decodes): the first pass of a tile
 //   widens it once into the thread's scratch, [K][16] floats, and every pass is f32_tile's
 //   (f32_linear's loop) on that copy: ~1.2x faster on Zen 1 from 32 rows on, as the widening
-//   leaves the FMA loop (docs/native-kernels.md, tenth round). The result is then f32_linear's
-//   on the widened values, to the bit.
+//   leaves the FMA loop (docs/native-kernels.md, tenth round).
+// NOTE: both paths sum in the same order (up to 2 rows: even and odd inputs apart, then
+// added; 3 and 4 rows: one chain), so a row's result is the same bits either way: a prompt
+// gives the same logits as before the copy existed, and whether a call has 8 rows or 9.
 struct Bf16Tiles {
   const uint16_t* packed;
   const float* x;  // the rows widened to float32 once, so that a broadcast is one load
@@ -274,7 +276,7 @@ struct Bf16Tiles {
     float* wf = thread_scratch(K * kTile);
     if (m0 == 0) widen(w, wf);
     V16 v[R];
-    kvloop::f32_tile<R>(wf, x, K, m0, v);
+    kvloop::f32_tile<R, (R <= 2 ? 2 : 1)>(wf, x, K, m0, v);
     for (int r = 0; r < R; ++r) acc[2 * r] = v[r].lo, acc[2 * r + 1] = v[r].hi;
   }
 

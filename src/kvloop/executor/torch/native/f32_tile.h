@@ -17,12 +17,12 @@ constexpr int kF32Rows = 8;  // rows per pass: 8 sums, 1 weight and 1 broadcast 
 constexpr int kF32Rows = 4;  // rows per pass: 8 sums, 2 weight and 2 broadcast registers of 16
 #endif
 
-// acc[r] = the tile's 16 outputs for row m0 + r of x ([M][K]), r < R.
-template <int R>
+// acc[r] = the tile's 16 outputs for row m0 + r of x ([M][K]), r < R, each summed in U
+// independent chains (input k into chain k % U), added at the end.
+// NOTE: U chains per output vector cover the FMA latency when few rows share a pass (one
+// row: 4 chains instead of 1). K % 32 == 0 (check_gemm), so U (1, 2 or 4) divides K.
+template <int R, int U = (R >= 4 ? 1 : 4 / R)>
 inline void f32_tile(const float* w, const float* x, int64_t K, int64_t m0, V16* acc) {
-  // NOTE: U independent sums per output vector cover the FMA latency when few rows share a
-  // pass (one row: 4 chains instead of 1). K % 32 == 0 (check_gemm), so U divides K.
-  constexpr int U = R >= 4 ? 1 : 4 / R;
   V16 part[U][R];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r) part[u][r] = vzero();
