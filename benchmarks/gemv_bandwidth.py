@@ -41,7 +41,7 @@ from decode_floor import read_bandwidth
 from kvloop.engine.model_source import resolve_model
 from kvloop.executor.torch import native
 from kvloop.executor.torch.linear import (
-    INT4_GROUP,
+    QUANT_GROUP,
     Bf16Linear,
     F32Linear,
     Int4Linear,
@@ -131,11 +131,11 @@ def main() -> int:
         if native.kernels() is not None:
             int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
             layouts["int4 (kvloop's kernel)"] = (
-                [lambda m=m: m(rows[m.in_features]) for m in int4], 0.5 + 8 / INT4_GROUP)
+                [lambda m=m: m(rows[m.in_features]) for m in int4], 0.5 + 8 / QUANT_GROUP)
         with _torch_kernels_only():
             int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
         layouts["int4 (torch's kernel)"] = ([lambda m=m: m(rows[m.in_features]) for m in int4],
-                                            0.5 + 4 / INT4_GROUP)
+                                            0.5 + 4 / QUANT_GROUP)
     elements = sum(n * k for n, k in shapes) * cfg.num_layers
     cpu = device_name(torch.device("cpu")).rsplit(", ", 1)[0]  # threads: per row below
     print(f"# {cpu}; {args.model}: {cfg.num_layers} layers, "

@@ -51,8 +51,9 @@ from torch import Tensor
 
 from kvloop.executor.torch import native
 
-INT4_GROUP = 32
-"""Input elements sharing one int4 scale and zero (llama.cpp's Q4_0/Q4_1 block)."""
+QUANT_GROUP = 32
+"""Input elements sharing one scale (and, at 4 bits, one offset): llama.cpp's block of its
+Q4_1 and Q8_0 formats, for ``Int4Linear`` and ``Int8Linear`` alike."""
 QUANTIZATIONS = ("int4",)
 """Accepted values of ``quantization`` (None: weights in the activation dtype)."""
 HEAD_QUANTIZATION = {"int4": "int8"}
@@ -137,7 +138,7 @@ class _FloatKernelLinear:
         self.out_features, self.in_features = weight.shape
         if not float_kernel_runs(weight) or weight.dtype != self.dtype:
             raise ValueError(f"{type(self).__name__} needs a {self.dtype} CPU matrix of "
-                             f"{native.TILE}k rows and {INT4_GROUP}k columns where kvloop's "
+                             f"{native.TILE}k rows and {QUANT_GROUP}k columns where kvloop's "
                              f"{self.kernel} runs; got {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")
         self.packed = self.pack(weight)
@@ -207,10 +208,10 @@ class Int4Linear:
 
     def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
         out_features, in_features = weight.shape
-        if in_features % INT4_GROUP:
+        if in_features % QUANT_GROUP:
             raise ValueError(f"quantization int4 needs input sizes divisible by "
-                             f"{INT4_GROUP}; a matrix has {in_features}")
-        groups = weight.detach().float().view(out_features, -1, INT4_GROUP)
+                             f"{QUANT_GROUP}; a matrix has {in_features}")
+        groups = weight.detach().float().view(out_features, -1, QUANT_GROUP)
         # NOTE: offsets and scales are float16 (as a Q4_1 block holds them: a fifth fewer
         # bytes a step than float32), and the codes are taken against those rounded values.
         low = _float16_values(groups.amin(-1), "int4", "offset")
@@ -251,7 +252,7 @@ class Int4Linear:
             return _native_product("q4_linear", x, (self.packed, self.scales, self.lows),
                                    self._bias32, x.new_empty(x.shape[0], self.out_features))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed,
-                                                       INT4_GROUP, self.scale_zeros)
+                                                       QUANT_GROUP, self.scale_zeros)
         return y if self.bias is None else y.add_(self.bias)
 
     def add_to_(self, out: Tensor, x: Tensor) -> None:
@@ -287,7 +288,7 @@ class Int8Linear:
         self.out_features, self.in_features = weight.shape
         if native.kernels() is None:
             raise RuntimeError("Int8Linear needs kvloop's CPU kernels (native.kernels())")
-        groups = weight.detach().float().view(self.out_features, -1, INT4_GROUP)
+        groups = weight.detach().float().view(self.out_features, -1, QUANT_GROUP)
         # NOTE: float16 scales (as a Q8_0 block holds them: half the scale bytes of float32,
         # 1.8 MB a step less for SmolLM2's head), the codes taken against the rounded values.
         scale = _float16_values(groups.abs().amax(-1) / 127, "int8", "scale")
@@ -327,7 +328,7 @@ def _tiles(weight: Tensor) -> bool:
     """Whether kvloop's GEMM kernels tile ``weight``: on CPU, ``[16k, 32j]``."""
     out_features, in_features = weight.shape
     return (weight.device.type == "cpu" and out_features % native.TILE == 0
-            and in_features % INT4_GROUP == 0)
+            and in_features % QUANT_GROUP == 0)
 
 
 Linear = DenseLinear | PackedLinear | Bf16Linear | F32Linear | Int4Linear | Int8Linear
