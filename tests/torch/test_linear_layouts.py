@@ -232,7 +232,8 @@ def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
     """``kernels_note`` (the "loaded in" line) names each of kvloop's kernels a model runs."""
     f32 = make_runner(llama_model, dtype="float32")
     note = f32.kernels_note
-    assert note.startswith("kvloop's CPU kernels: ") and "decode_attention, f32_linear" in note
+    assert note.startswith("kvloop's CPU kernels: ") and "decode_attention" in note
+    assert ("f32_linear" in note) == native.f32_preferred()
     assert "prefill_attention" in note
     assert ("rms_norm" in note) == f32.model.fused_ops
     assert ("DecodeLayers" in note) == (f32.model.decode_layers is not None)
@@ -241,6 +242,7 @@ def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
     assert note.startswith("kvloop's CPU kernels: ") and "decode_attention" in note
     assert ("rms_norm" in note) == bf16.model.fused_ops
     assert ("bf16_linear" in note) == native.bf16_supported()
+    assert ("with AMX from" in note) == (native.bf16_supported() and native.amx_rows() is not None)
     assert ("DecodeLayers" in note) == (bf16.model.decode_layers is not None)
     int4 = make_runner(llama_model, dtype="bfloat16", quantization="int4").kernels_note
     assert "q4_linear" in int4, int4

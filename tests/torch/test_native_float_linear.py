@@ -107,6 +107,31 @@ def test_avx2_bf16_linear_rows_are_the_same_bits_widened_once_or_as_read(m: int)
             assert torch.equal(y, torch.cat([lin(x[i:i + 4]) for i in range(0, m, 4)]))
 
 
+@pytest.mark.skipif(not KERNELS.amx_available(), reason="no AMX-BF16 here (bf16_linear keeps "
+                    "its vdpbf16ps or AVX2 loop)")
+@pytest.mark.parametrize("m", [4, 15, 16, 17, 31, 32, 33, 47, 70])
+def test_amx_bf16_linear_is_exact_and_stays_in_its_rows(m: int) -> None:
+    """From ``AMX_ROWS`` rows ``bf16_linear`` multiplies with AMX tiles of 16 rows and 16
+    outputs: exact on integers for every row count (a last, partial block of rows padded
+    with zeros; an odd tile count of outputs, 48, as a last single tile), with the bias and
+    the residual add, and nothing written past the call's rows."""
+    assert m >= KERNELS.AMX_ROWS
+    gen = torch.Generator().manual_seed(m)
+    for n, k in [(48, 96), (160, 64), (64, 544)]:
+        w, x = integers(n, k, gen=gen, dtype=BF16), integers(m, k, gen=gen, dtype=BF16)
+        bias = integers(n, gen=gen, dtype=BF16)
+        lin = Bf16Linear(w, bias)
+        ref = x.double() @ w.double().t() + bias.double()
+        buffer = torch.full((m + 3, n), 7.0, dtype=BF16)
+        out = buffer[:m]
+        out.copy_(integers(m, n, gen=gen, dtype=BF16, span=64))
+        want = (out.double() + ref).to(BF16)
+        lin.add_to_(out, x)
+        assert torch.equal(out, want)
+        assert torch.equal(lin(x), ref.to(BF16))
+        assert bool((buffer[m:] == 7.0).all()), "rows past the call's are untouched"
+
+
 def test_pack_layouts() -> None:
     """bfloat16 ``[N/16, K/2, 16, 2]``: the pair of inputs (2p, 2p + 1) of output 16 t + i at
     ``[t, p, i]``; float32 ``[N/16, K, 16]``: input k of output 16 t + i at ``[t, k, i]``."""

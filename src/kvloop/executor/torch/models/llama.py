@@ -212,6 +212,9 @@ class LlamaForCausalLM:
                 names.add("q8_linear")
             elif (operands := getattr(lin, "native_operands", None)) is not None:
                 names.add(operands[0])
+        if "bf16_linear" in names and (rows := native.amx_rows()) is not None:
+            names.add(f"bf16_linear with AMX from {rows} rows")
+            names.discard("bf16_linear")
         if self.fused_ops:
             names.update(("rms_norm", "rope_write_kv", "silu_mul"))
         if self.decode_layers is not None:

@@ -96,7 +96,12 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* b = kvloop::bias_data("bf16_linear", bias, out);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  kvloop::store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xp, K},
-                      b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (M >= kAmxRows && amx_available()) {
+    amx_bf16_gemm(xp, wp, b, op, M, N, K, accumulate);
+    return;
+  }
+  kvloop::store_tiles(Bf16Tiles{wp, xp, K}, b, op, M, N, accumulate);
 #endif
 }

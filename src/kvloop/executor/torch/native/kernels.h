@@ -23,6 +23,19 @@ bool bf16_available();
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
+// Whether amx_bf16_gemm runs here (the CPU has AMX-BF16, the OS grants its tiles and the
+// compiler had it).
+bool amx_available();
+// Rows from which bf16_linear multiplies with AMX where amx_available(). NOTE: measured on a
+// 2-core Sapphire Rapids VM, SmolLM2-135M's 30 layers: from 4 rows on AMX takes the same
+// time as one row (~15.5 ms, the weights' bandwidth) where the vdpbf16ps loop grows with the
+// rows (16.0 at 4, 18.0 at 6, 20.1 at 8, 35 at 16, 119 at 64); below 4 they are even.
+constexpr int64_t kAmxRows = 4;
+// bf16_linear's product with AMX (see amx_bf16.cpp; needs amx_available()): out[M, N] (+)=
+// x[M, K] @ W.T (+ bias, float32 [N] or null), raw bfloat16, W packed as for bf16_linear.
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
+                   int64_t M, int64_t N, int64_t K, bool accumulate);
+
 // The same with W and x in float32 (see f32_linear.cpp).
 void f32_linear(const at::Tensor& x, const at::Tensor& packed,
                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);

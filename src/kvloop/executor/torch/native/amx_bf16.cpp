@@ -1,0 +1,176 @@
+// bfloat16 weights times bfloat16 activations with AMX (tdpbf16ps), float32 sums: what
+// bf16_linear runs from kAmxRows rows on CPUs with AMX-BF16 (Sapphire Rapids and later).
+//
+// bf16_linear's packed layout [N/16][K/2][16][2] is already AMX's B-tile layout: 16 rows of
+// input pairs, each 64 bytes holding 16 outputs' two weights. So one 1 KiB block of it (16
+// pairs, K = 32 inputs) loads as a B tile with a 64-byte stride, and 16 activation rows of
+// 32 inputs load as an A tile straight from x (a stride of K * 2 bytes). A tdpbf16ps then
+// does 16 x 16 x 32 multiply-adds: about 20 times the work of one vdpbf16ps per weight
+// byte, which is what a prompt chunk or a wide batch of decodes needs (the vdpbf16ps kernel
+// is bound by arithmetic from about 8 rows on).
+//
+// NOTE: tdpbf16ps, as vdpbf16ps, reads bfloat16 subnormals as zero and rounds its float32
+// sums to nearest even; only the order of the float32 sums differs from the other kernels'.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm_checks.h"
+#include "kernels.h"
+
+// NOTE: AMX needs GCC 11 or Clang 12 (their intrinsics) and a 64-bit Linux kernel that hands
+// out the tile state (arch_prctl); elsewhere amx_available() is false and bf16_linear keeps
+// its vdpbf16ps loop. The AMX functions carry a target attribute, so the rest of the build
+// does not need the -mamx flags.
+#if defined(__AVX512F__) && defined(__linux__) && defined(__x86_64__) &&   \
+    ((defined(__clang__) && __clang_major__ >= 12) ||                      \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define KVLOOP_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+
+#include "simd.h"
+#else
+#define KVLOOP_AMX 0
+#endif
+
+#if KVLOOP_AMX
+namespace {
+
+constexpr int64_t kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature
+constexpr int64_t kXfeatureXtiledata = 18;     // the AMX tile data
+
+// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) and the OS
+// lets this process use the tiles (Linux 5.16+ hands them out per process on request).
+bool amx_usable() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// The tile configuration (palette 1): tiles 0-3 accumulators (16 rows of 16 float32),
+// 4-5 activations (16 rows of 32 bfloat16), 6-7 weights (16 input pairs of 16 outputs).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) {
+      colsb[i] = 64;
+      rows[i] = 16;
+    }
+  }
+};
+static_assert(sizeof(TileConfig) == 64);
+
+constexpr int kBlock = 16;  // rows of an A tile, outputs of a tile
+
+// C[MB][NB] (+)= the tiles of rows [m0, m0 + 16 MB) x outputs of tiles t0 .. t0 + NB - 1, each
+// stored as 16 x 16 float32 to c + (mb * NB + nb) * 256.
+// NOTE: tile numbers are part of the instructions, hence the unrolled cases.
+template <int MB, int NB>
+__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* x,
+                                                              const uint16_t* w, int64_t K,
+                                                              int64_t m0, int64_t t0,
+                                                              float* c) {
+  static_assert(MB >= 1 && MB <= 2 && NB >= 1 && NB <= 2);
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  const int64_t x_stride = K * 2;  // bytes between activation rows
+  const uint16_t* a0 = x + m0 * K;
+  const uint16_t* a1 = a0 + kBlock * K;
+  const uint16_t* b0 = w + t0 * K * kBlock;  // NOTE: a tile is K/2 pairs x 32 values
+  const uint16_t* b1 = b0 + K * kBlock;
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(6, b0 + k * kBlock, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b1 + k * kBlock, 64);
+    _tile_loadd(4, a0 + k, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB == 2) {
+      _tile_loadd(5, a1 + k, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (MB == 2) _tile_stored(2, c + NB * 256, 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * 256, 64);
+}
+
+__attribute__((target("amx-tile"))) void load_config(const TileConfig& cfg) {
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+}  // namespace
+#endif
+
+bool amx_available() {
+#if KVLOOP_AMX
+  static const bool usable = amx_usable();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
+                   int64_t M, int64_t N, int64_t K, bool accumulate) {
+  TORCH_CHECK(amx_available(), "amx_bf16_gemm: needs AMX-BF16 (this CPU, OS or compiler lacks it)");
+#if KVLOOP_AMX
+  // NOTE: an A tile reads 16 rows: a row count that is not a multiple of 16 reads a copy
+  // padded with zero rows (their sums are computed and dropped).
+  const int64_t Mp = (M + kBlock - 1) / kBlock * kBlock;
+  std::vector<uint16_t> padded;
+  if (Mp != M) {
+    padded.assign(Mp * K, 0);
+    std::memcpy(padded.data(), x, M * K * sizeof(uint16_t));
+    x = padded.data();
+  }
+  const int64_t tiles_n = N / kBlock, pairs = (tiles_n + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    // NOTE: the tile configuration and state are per thread: loaded here, released below.
+    const TileConfig cfg;
+    load_config(cfg);
+    alignas(64) float c[4 * 256];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t0 = 2 * i;
+      const int nb = tiles_n - t0 >= 2 ? 2 : 1;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kBlock) {
+        const int mb = Mp - m0 >= 2 * kBlock ? 2 : 1;
+        if (mb == 2 && nb == 2) tile_block<2, 2>(x, packed, K, m0, t0, c);
+        else if (mb == 2) tile_block<2, 1>(x, packed, K, m0, t0, c);
+        else if (nb == 2) tile_block<1, 2>(x, packed, K, m0, t0, c);
+        else tile_block<1, 1>(x, packed, K, m0, t0, c);
+        for (int r = 0; r < mb; ++r) {
+          for (int j = 0; j < nb; ++j) {
+            const float* cb = c + (r * nb + j) * 256;
+            const int64_t n0 = (t0 + j) * kBlock;
+            const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+            const int64_t rows = std::min<int64_t>(kBlock, M - m0 - r * kBlock);
+            for (int64_t row = 0; row < rows; ++row) {
+              uint16_t* o = out + (m0 + r * kBlock + row) * N + n0;
+              __m512 y = _mm512_add_ps(_mm512_load_ps(cb + row * kBlock), b);
+              if (accumulate) y = _mm512_add_ps(y, kvloop::load16(o));
+              kvloop::store16(o, y);
+            }
+          }
+        }
+      }
+    }
+    release_tiles();
+  });
+#endif
+}
