@@ -213,7 +213,7 @@ COMMON_BAD = [  # (change given the dtype, message)
 
 @pytest.mark.parametrize("change, message", [
     ({"x": torch.randn(2, 64), "out": torch.empty(2, 32)}, "bfloat16"),
-    ({"out": torch.empty(2, 32)}, "dtypes"),
+    ({"out": torch.empty(2, 32, dtype=torch.float16)}, "dtypes"),
     ({"packed": torch.zeros(2, 31, 16, 2, dtype=BF16)}, "W"),
     ({"packed": torch.zeros(2, 32, 16, 2)}, "W"),
     ({"packed": torch.zeros(2, 16, 32, 2, dtype=BF16).transpose(1, 2)}, "W"),

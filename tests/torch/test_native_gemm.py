@@ -16,9 +16,11 @@ from native_helpers import BF16, KERNELS, q8_args  # noqa: E402
 from kvloop.executor.torch import native  # noqa: E402
 from kvloop.executor.torch.linear import (  # noqa: E402
     HEAD_QUANTIZATION,
+    DenseLinear,
     Int4Linear,
     Int8Linear,
     int8_runs,
+    logits,
     make_linear,
 )
 
@@ -374,7 +376,7 @@ def _q4_args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str
     ({"packed": torch.zeros(32 * 16, dtype=torch.uint8)}, "W"),
     ({"scales": torch.ones(2, 2, 16, dtype=BF16)}, "W"),
     ({"mins": torch.zeros(2, 2, 16)}, "W"),
-    ({"out": torch.empty(2, 32)}, "dtypes"),
+    ({"out": torch.empty(2, 32, dtype=torch.float16)}, "dtypes"),
     ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
     ({"bias": torch.zeros(16)}, "bias"),
     ({"x": torch.randn(2, 64).half(), "out": torch.empty(2, 32).half()}, "bfloat16 or float32"),
@@ -414,7 +416,7 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
     ({"packed": torch.zeros(2, 2, 1024, dtype=torch.int8)[..., ::2]}, "contiguous"),
     ({"scales": torch.ones(2, 2, 32, dtype=torch.float16)[..., ::2]}, "contiguous"),
     ({"corr": torch.zeros(2, 2, 32, dtype=torch.int32)[..., ::2]}, "contiguous"),
-    ({"out": torch.empty(2, 32)}, "dtypes"),
+    ({"out": torch.empty(2, 32, dtype=torch.float16)}, "dtypes"),
     ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
     ({"bias": torch.zeros(16)}, "bias"),
     ({"bias": torch.arange(64.0)[::2]}, "bias"),
@@ -446,3 +448,30 @@ def test_integer_gemms_propagate_non_finite_activations(layer: str, bad: float) 
     y = lin(x)
     assert y[1].isnan().all()
     assert y[0].isfinite().all() and y[2].isfinite().all()
+
+
+@pytest.mark.parametrize("m", [1, 3, 6, 17])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4", "dense"])
+def test_logits_are_the_float32_sums_rounded_once(kind: str, m: int) -> None:
+    """``linear.logits``: kvloop's kernels write an LM head's float32 sums (+ bias) straight
+    to float32 for bfloat16 activations: the same sums as their bfloat16 output, which is
+    that rounded once, at float32's resolution (close logits stay apart). Other layouts widen
+    their own product."""
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(160, 96, generator=gen) * 0.3
+    bias = None if kind in ("int8", "dense") else torch.randn(160, generator=gen)
+    if kind == "bf16" and not native.bf16_supported():
+        pytest.skip("bf16_linear does not run here")
+    head = {"bf16": lambda: make_linear(w.to(BF16), None if bias is None else bias.to(BF16)),
+            "int8": lambda: make_linear(w, None, quantization="int8", dtype=BF16),
+            "int4": lambda: make_linear(w, bias, quantization="int4", dtype=BF16),
+            "dense": lambda: DenseLinear(w.to(BF16), None)}[kind]()
+    x = torch.randn(m, 96, generator=gen).to(BF16)
+    got = logits(head, x)
+    assert got.dtype == torch.float32 and got.shape == (m, 160)
+    if kind == "dense":
+        assert torch.equal(got, head(x).float())
+        return
+    # Able to fail: a kernel that rounded to bfloat16 first would hold only bfloat16 values.
+    assert torch.equal(got.to(BF16), head(x)), "the same sums, rounded once"
+    assert not torch.equal(got, got.to(BF16).float()), "float32 values, not bfloat16 ones"

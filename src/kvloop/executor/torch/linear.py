@@ -302,6 +302,11 @@ class Int8Linear:
         """The tensors a product reads (the float32 bias copy, not the loaded bias)."""
         return [t for t in (self.packed, self.scales, self.corr, self._bias32) if t is not None]
 
+    @property
+    def native_operands(self) -> tuple[str, list[Tensor], Tensor | None]:
+        """As :attr:`F32Linear.native_operands`."""
+        return "q8_linear", [self.packed, self.scales, self.corr], self._bias32
+
     def __call__(self, x: Tensor) -> Tensor:
         return _native_product("q8_linear", x, (self.packed, self.scales, self.corr),
                                self._bias32, x.new_empty(x.shape[0], self.out_features))
@@ -316,6 +321,19 @@ def _native_product(kernel: str, x: Tensor, weights: tuple[Tensor, ...], bias: T
     ``q8_linear`` or ``bf16_linear``) on its packed ``weights``; returns ``out``."""
     native.call(kernel, x.contiguous(), *weights, bias, out, accumulate)
     return out
+
+
+def logits(head: Linear, x: Tensor) -> Tensor:
+    """float32 ``x @ W.T (+ b)`` of an LM head. kvloop's kernels write it from their
+    float32 sums (for bfloat16 ``x`` too), so close candidates stay apart; elsewhere the
+    product in ``x``'s dtype, widened: bfloat16 logits step by 0.125 near 20, where two
+    candidates of a greedy choice can round to a tie."""
+    operands = getattr(head, "native_operands", None)
+    if operands is None:
+        return head(x).float()
+    kernel, weights, bias = operands
+    out = x.new_empty(x.shape[0], head.out_features, dtype=torch.float32)
+    return _native_product(kernel, x, tuple(weights), bias, out)
 
 
 def int8_runs(weight: Tensor) -> bool:

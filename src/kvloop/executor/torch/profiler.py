@@ -42,7 +42,7 @@ from kvloop.core.interface import (
 from kvloop.core.scheduler import Scheduler
 from kvloop.executor.simulated.calibration import Measurements
 from kvloop.executor.torch.attention import build_metadata, paged_attention, write_kv
-from kvloop.executor.torch.linear import Linear
+from kvloop.executor.torch.linear import Linear, logits
 from kvloop.executor.torch.loader import cpu_flags, cpu_has_native_bf16
 from kvloop.executor.torch.model_runner import TorchModelRunner
 from kvloop.executor.torch.models import llama as _llama
@@ -231,7 +231,7 @@ class Profiler:
     def _head(self, s: int) -> float:
         x = torch.randn(s, self.cfg.hidden_size, device=self.device, dtype=self.runner.dtype)
         norm, lm_head, eps = self.model.norm, self.model.lm_head, self.cfg.rms_norm_eps
-        return self.timer(lambda: lm_head(rms_norm(x, norm, eps)).float())
+        return self.timer(lambda: logits(lm_head, rms_norm(x, norm, eps)))
 
     def seq_work(self, s: int) -> float:
         x = torch.randn(s, self.cfg.hidden_size, device=self.device, dtype=self.runner.dtype)
@@ -240,8 +240,7 @@ class Profiler:
         sampler = self.runner.sampler
 
         def run() -> None:
-            logits = lm_head(rms_norm(x, norm, eps)).float()
-            sampler.sample(logits, states)
+            sampler.sample(logits(lm_head, rms_norm(x, norm, eps)), states)
             for st in states:
                 st.output_token_ids.clear()
 

@@ -30,9 +30,9 @@ from kvloop.executor.torch.attention import AttentionMetadata, paged_attention, 
 from kvloop.executor.torch.flex import flex_paged_attention
 from kvloop.executor.torch.linear import (
     HEAD_QUANTIZATION,
-    Int8Linear,
     Linear,
     int8_runs,
+    logits,
     make_linear,
 )
 
@@ -208,9 +208,7 @@ class LlamaForCausalLM:
         names: set[str] = set()
         for lin in (self.lm_head, *(m for layer in self.layers
                                     for m in (layer.qkv, layer.o, layer.gate_up, layer.down))):
-            if isinstance(lin, Int8Linear):
-                names.add("q8_linear")
-            elif (operands := getattr(lin, "native_operands", None)) is not None:
+            if (operands := getattr(lin, "native_operands", None)) is not None:
                 names.add(operands[0])
         if "bf16_linear" in names and (rows := native.amx_rows()) is not None:
             names.add(f"bf16_linear with AMX from {rows} rows")
@@ -301,14 +299,14 @@ class LlamaForCausalLM:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
         x = rms_norm(_rows(x, logits_indices), self.norm, eps)
-        return self.lm_head(x).float()
+        return logits(self.lm_head, x)
 
     def _fused_logits(self, x: Tensor, logits_indices: Tensor | None) -> Tensor:
         """float32 logits of the rows ``logits_indices`` of ``x`` (None: all, normed in place
         in ``x``), the final norm fused."""
         rows = _rows(x, logits_indices)
         native.call("rms_norm", rows, self.norm, self.config.rms_norm_eps, rows)
-        return self.lm_head(rows).float()
+        return logits(self.lm_head, rows)
 
     def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_layers: list[Tensor],
                       meta: AttentionMetadata, attention: Callable[..., Tensor]) -> None:

@@ -126,8 +126,11 @@ bool amx_available() {
 #endif
 }
 
-void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
-                   int64_t M, int64_t N, int64_t K, bool accumulate) {
+namespace {
+
+template <typename T>
+void amx_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, T* out, int64_t M,
+              int64_t N, int64_t K, bool accumulate) {
   TORCH_CHECK(amx_available(), "amx_bf16_gemm: needs AMX-BF16 (this CPU, OS or compiler lacks it)");
 #if KVLOOP_AMX
   // NOTE: an A tile reads 16 rows: a row count that is not a multiple of 16 reads a copy
@@ -161,7 +164,7 @@ void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias,
             const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
             const int64_t rows = std::min<int64_t>(kBlock, M - m0 - r * kBlock);
             for (int64_t row = 0; row < rows; ++row) {
-              uint16_t* o = out + (m0 + r * kBlock + row) * N + n0;
+              T* o = out + (m0 + r * kBlock + row) * N + n0;
               __m512 y = _mm512_add_ps(_mm512_load_ps(cb + row * kBlock), b);
               if (accumulate) y = _mm512_add_ps(y, kvloop::load16(o));
               kvloop::store16(o, y);
@@ -173,4 +176,16 @@ void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias,
     release_tiles();
   });
 #endif
+}
+
+}  // namespace
+
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
+                   int64_t M, int64_t N, int64_t K, bool accumulate) {
+  amx_gemm(x, packed, bias, out, M, N, K, accumulate);
+}
+
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, float* out,
+                   int64_t M, int64_t N, int64_t K, bool accumulate) {
+  amx_gemm(x, packed, bias, out, M, N, K, accumulate);
 }

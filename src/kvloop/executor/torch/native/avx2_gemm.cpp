@@ -426,6 +426,8 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   std::vector<float> xf(M * K);
   // NOTE: K % 32 == 0 (check_bf16_linear), so M * K is a multiple of 16.
   for (int64_t i = 0; i < M * K; i += 16) kvloop::vstoreu(xf.data() + i, kvloop::load_bf16(xp + i));
-  store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xf.data(), K, M},
-              b, reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, accumulate);
+  kvloop::by_output_dtype(out, [&](auto* op) {
+    store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xf.data(), K, M},
+                b, op, M, N, accumulate);
+  });
 }

@@ -97,11 +97,12 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* b = kvloop::bias_data("bf16_linear", bias, out);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  if (M >= kAmxRows && amx_available()) {
-    amx_bf16_gemm(xp, wp, b, op, M, N, K, accumulate);
-    return;
-  }
-  kvloop::store_tiles(Bf16Tiles{wp, xp, K}, b, op, M, N, accumulate);
+  kvloop::by_output_dtype(out, [&](auto* op) {
+    if (M >= kAmxRows && amx_available()) {
+      amx_bf16_gemm(xp, wp, b, op, M, N, K, accumulate);
+    } else {
+      kvloop::store_tiles(Bf16Tiles{wp, xp, K}, b, op, M, N, accumulate);
+    }
+  });
 #endif
 }

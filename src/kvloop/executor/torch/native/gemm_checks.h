@@ -15,13 +15,18 @@ constexpr int kGroup = 32;  // input elements sharing one scale
 constexpr int kTile = 16;   // outputs of one tile (one AVX-512 vector, two AVX2 ones)
 
 // Checks shared by every GEMM's entry point.
+// NOTE: out is x's dtype, or float32 where x is bfloat16: an LM head's logits, the float32
+// sums rounded once to float32 rather than to bfloat16 (whose steps, 0.125 near 20, make
+// close candidates tie).
 inline void check_gemm(const char* name, const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
               name, ": layout");
   TORCH_CHECK(x.size(1) % kGroup == 0 && out.size(1) % kTile == 0 && out.size(0) == x.size(0),
               name, ": shapes");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), name, ": dtypes");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() ||
+                  (x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat),
+              name, ": dtypes (out is x's dtype, or float32 for bfloat16 x)");
 }
 
 // The bias's data (float32 [N], contiguous, CPU, not overlapping ``out``), or null without
@@ -35,12 +40,23 @@ inline const float* bias_data(const char* name, const std::optional<at::Tensor>&
   return bias->data_ptr<float>();
 }
 
-// run(x, out) with their data typed by the activation dtype (bfloat16 as raw 16 bits).
+// run(out) with out's data typed by its dtype (float32, or bfloat16 as raw 16 bits).
+template <typename Run>
+void by_output_dtype(at::Tensor& out, Run&& run) {
+  if (out.scalar_type() == at::kFloat) {
+    run(out.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+}
+
+// run(x, out) with their data typed by their dtypes (bfloat16 as raw 16 bits; check_gemm
+// allows float32 out for bfloat16 x).
 template <typename Run>
 void by_activation_dtype(const char* name, const at::Tensor& x, at::Tensor& out, Run&& run) {
   if (x.scalar_type() == at::kBFloat16) {
-    run(reinterpret_cast<const uint16_t*>(x.data_ptr()),
-        reinterpret_cast<uint16_t*>(out.data_ptr()));
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    by_output_dtype(out, [&](auto* op) { run(xp, op); });
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": x must be bfloat16 or float32");
     run(x.data_ptr<float>(), out.data_ptr<float>());

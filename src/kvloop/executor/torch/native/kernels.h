@@ -32,8 +32,11 @@ bool amx_available();
 // rows (16.0 at 4, 18.0 at 6, 20.1 at 8, 35 at 16, 119 at 64); below 4 they are even.
 constexpr int64_t kAmxRows = 4;
 // bf16_linear's product with AMX (see amx_bf16.cpp; needs amx_available()): out[M, N] (+)=
-// x[M, K] @ W.T (+ bias, float32 [N] or null), raw bfloat16, W packed as for bf16_linear.
+// x[M, K] @ W.T (+ bias, float32 [N] or null), x raw bfloat16, out raw bfloat16 or float32,
+// W packed as for bf16_linear.
 void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
+                   int64_t M, int64_t N, int64_t K, bool accumulate);
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, float* out,
                    int64_t M, int64_t N, int64_t K, bool accumulate);
 
 // The same with W and x in float32 (see f32_linear.cpp).
