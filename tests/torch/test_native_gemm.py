@@ -151,6 +151,32 @@ def test_q4_linear_is_exact_on_a_4bit_grid(m: int) -> None:
     assert bf16_steps(y, away.double().view(m, k) @ w.double().t() + bias.double()) > 2
 
 
+@pytest.mark.skipif(not KERNELS.amx_available(), reason="no AMX-BF16 here (q4_linear keeps "
+                    "its VNNI or AVX2 loop)")
+@pytest.mark.parametrize("m", [32, 33, 47, 70])
+def test_q4_linear_with_amx_is_exact_on_a_4bit_grid(m: int) -> None:
+    """From ``AMX_Q4_ROWS`` bfloat16 rows ``q4_linear`` widens its 4-bit weights to bfloat16
+    (exact on this grid: small integers times powers of two) and multiplies them with AMX,
+    the activations not quantised: with integer activations every sum is exact, so the
+    float32 logits are the float64 product plus the bias rounded once, the bfloat16 output
+    that rounded again, and the residual add one more rounding of the same sums."""
+    assert m >= KERNELS.AMX_Q4_ROWS
+    n, k = 48, 192  # NOTE: 3 tiles of outputs: the last one alone
+    w = grid_weight(n, k, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randint(-8, 8, (m, k), generator=gen).to(BF16)
+    bias = torch.randn(n, generator=gen)
+    lin = Int4Linear(w, bias, BF16)
+    want = (x.double() @ w.double().t() + bias.double()).float()
+    # Able to fail: a misplaced nibble, scale or offset changes an exact sum.
+    assert torch.equal(logits(lin, x), want)
+    assert torch.equal(lin(x), want.to(BF16))
+    out = torch.randint(-64, 64, (m, n), generator=gen).to(BF16)
+    expect = (out.float() + want).to(BF16)
+    lin.add_to_(out, x)
+    assert torch.equal(out, expect)
+
+
 def rows_with_ties(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """[m, k] bfloat16 activations whose row 0 holds multiples of 1/32 with a group max of
     127/16, so that x * 127 / max lands on halves: ties, which the kernels round to even."""

@@ -68,7 +68,7 @@ class Build:
 
 
 FULL = Build("kvloop_native",
-             ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp", "amx_bf16.cpp",
+             ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp", "amx_gemm.cpp",
               "f32_linear.cpp",
               "decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
               "decode_layers.cpp"),
@@ -77,7 +77,7 @@ FULL = Build("kvloop_native",
              frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
 """Every kernel, for AVX-512 with VNNI."""
 AVX2 = Build("kvloop_native_avx2",
-             ("module.cpp", "avx2_gemm.cpp", "amx_bf16.cpp", "f32_linear.cpp",
+             ("module.cpp", "avx2_gemm.cpp", "amx_gemm.cpp", "f32_linear.cpp",
               "decode_attention.cpp",
               "prefill_attention.cpp", "layer_ops.cpp", "decode_layers.cpp"),
              ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),

@@ -23,7 +23,7 @@ bool bf16_available();
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
-// Whether amx_bf16_gemm runs here (the CPU has AMX-BF16, the OS grants its tiles and the
+// Whether amx_bf16_gemm and amx_q4_gemm run here (the CPU has AMX-BF16, the OS grants its tiles and the
 // compiler had it).
 bool amx_available();
 // Rows from which bf16_linear multiplies with AMX where amx_available(). NOTE: measured on a
@@ -31,13 +31,21 @@ bool amx_available();
 // time as one row (~15.5 ms, the weights' bandwidth) where the vdpbf16ps loop grows with the
 // rows (16.0 at 4, 18.0 at 6, 20.1 at 8, 35 at 16, 119 at 64); below 4 they are even.
 constexpr int64_t kAmxRows = 4;
-// bf16_linear's product with AMX (see amx_bf16.cpp; needs amx_available()): out[M, N] (+)=
-// x[M, K] @ W.T (+ bias, float32 [N] or null), x raw bfloat16, out raw bfloat16 or float32,
-// W packed as for bf16_linear.
-void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
+// Rows of bfloat16 activations from which q4_linear multiplies with AMX where
+// amx_available() (its weights widened to bfloat16 once per call; amx_gemm.cpp). NOTE:
+// measured as kAmxRows: the widening costs about what 15 ms of the VNNI loop does (1-16
+// rows); at 32 rows both took 21-29 ms, at 64 AMX 34-43 vs 56-64, at 192 86-91 vs 163-185.
+constexpr int64_t kAmxQ4Rows = 32;
+// bf16_linear's and q4_linear's products with AMX (see amx_gemm.cpp; need amx_available()):
+// out[M, N] (+)= x[M, K] @ W.T (+ bias, float32 [N] or null), x raw bfloat16, out (T) raw
+// bfloat16 or float32, W packed as for bf16_linear or as for q4_linear.
+template <typename T>
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, T* out,
                    int64_t M, int64_t N, int64_t K, bool accumulate);
-void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, float* out,
-                   int64_t M, int64_t N, int64_t K, bool accumulate);
+template <typename T>
+void amx_q4_gemm(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                 const uint16_t* mins, const float* bias, T* out, int64_t M, int64_t N,
+                 int64_t K, bool accumulate);
 
 // The same with W and x in float32 (see f32_linear.cpp).
 void f32_linear(const at::Tensor& x, const at::Tensor& packed,

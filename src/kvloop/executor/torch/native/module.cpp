@@ -19,8 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear", &f32_linear, "out (+)= x @ W.T (+ bias), W and x in float32", kFree,
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));
   m.def("bf16_available", &bf16_available, "whether bf16_linear runs here");
-  m.def("amx_available", &amx_available, "whether bf16_linear multiplies with AMX here");
+  m.def("amx_available", &amx_available,
+        "whether bf16_linear and q4_linear multiply with AMX here");
   m.attr("AMX_ROWS") = kAmxRows;
+  m.attr("AMX_Q4_ROWS") = kAmxQ4Rows;
   m.def("decode_attention", &decode_attention, "one-token attention over paged KV in place",
         kFree, py::arg("q"), py::arg("cache"), py::arg("block_table"),
         py::arg("context_lens"), py::arg("scale"), py::arg("out"));

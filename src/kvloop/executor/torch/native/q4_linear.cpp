@@ -66,6 +66,20 @@ struct Q4Tiles {
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
+  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= kAmxQ4Rows &&
+      amx_available()) {
+    kvloop::check_gemm("q4_linear", x, out);
+    kvloop::check_weights("q4_linear", x, out, packed, at::kByte, 4, scales, at::kHalf, mins,
+                          at::kHalf);
+    const float* b = kvloop::bias_data("q4_linear", bias, out);
+    kvloop::by_output_dtype(out, [&](auto* op) {
+      amx_q4_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), packed.data_ptr<uint8_t>(),
+                  static_cast<const uint16_t*>(scales.data_ptr()),
+                  static_cast<const uint16_t*>(mins.data_ptr()), b, op, x.size(0), out.size(1),
+                  x.size(1), accumulate);
+    });
+    return;
+  }
   kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4, scales, at::kHalf, mins, at::kHalf,
                    bias, out, accumulate, false, [&](const QuantRows& rows, int64_t K) {
                      return Q4Tiles{packed.data_ptr<uint8_t>(),

@@ -1,5 +1,6 @@
-// bfloat16 weights times bfloat16 activations with AMX (tdpbf16ps), float32 sums: what
-// bf16_linear runs from kAmxRows rows on CPUs with AMX-BF16 (Sapphire Rapids and later).
+// Products of many rows with AMX (tdpbf16ps), float32 sums, on CPUs with AMX-BF16 (Sapphire
+// Rapids and later): what bf16_linear runs from kAmxRows rows, and q4_linear from
+// kAmxQ4Rows rows of bfloat16 activations.
 //
 // bf16_linear's packed layout [N/16][K/2][16][2] is already AMX's B-tile layout: 16 rows of
 // input pairs, each 64 bytes holding 16 outputs' two weights. So one 1 KiB block of it (16
@@ -8,6 +9,11 @@
 // does 16 x 16 x 32 multiply-adds: about 20 times the work of one vdpbf16ps per weight
 // byte, which is what a prompt chunk or a wide batch of decodes needs (the vdpbf16ps kernel
 // is bound by arithmetic from about 8 rows on).
+//
+// 4-bit weights (q4_linear's layout) are widened, two tiles of 16 outputs at a time, into a
+// thread's scratch in that same layout, d * q + m rounded to bfloat16, then multiplied the
+// same way: the widening is paid once per weight and call, the products as for bfloat16.
+// Unlike the vdpbf16ps/VNNI path the activations stay bfloat16 (not quantised to int8).
 //
 // NOTE: tdpbf16ps, as vdpbf16ps, reads bfloat16 subnormals as zero and rounds its float32
 // sums to nearest even; only the order of the float32 sums differs from the other kernels'.
@@ -128,11 +134,70 @@ bool amx_available() {
 
 namespace {
 
-template <typename T>
-void amx_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, T* out, int64_t M,
-              int64_t N, int64_t K, bool accumulate) {
-  TORCH_CHECK(amx_available(), "amx_bf16_gemm: needs AMX-BF16 (this CPU, OS or compiler lacks it)");
 #if KVLOOP_AMX
+// bf16_linear's packed weights: tiles t0, t0 + 1 read in place.
+struct Bf16Weights {
+  const uint16_t* packed;
+  int64_t K;
+  const uint16_t* tiles(int64_t t0, int) const { return packed + t0 * K * kBlock; }
+};
+
+// q4_linear's packed weights: tiles t0 .. t0 + nb - 1 widened to bfloat16 pairs into a
+// scratch of this thread (q4_linear.cpp has the layout: chunk c of a group holds the codes of
+// inputs 8c + j and 8c + 4 + j of output n at byte 4n + j, low and high nibble).
+struct Q4Weights {
+  const uint8_t* packed;
+  const uint16_t* scales;  // float16 [N/16][K/32][16]
+  const uint16_t* mins;    // float16 [N/16][K/32][16]
+  int64_t K;
+
+  __attribute__((target("avx512bf16"))) const uint16_t* tiles(int64_t t0, int nb) const {
+    thread_local std::vector<uint16_t> scratch;  // NOTE: tile loads need no alignment
+    const int64_t G = K / kvloop::kGroup, per_tile = K * kBlock;
+    if (static_cast<int64_t>(scratch.size()) < 2 * per_tile) scratch.resize(2 * per_tile);
+    // Each output's scale (and offset) twice in a row: the lanes of a pair row (n, e).
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < nb; ++j) {
+      const int64_t t = t0 + j;
+      uint16_t* dst = scratch.data() + j * per_tile;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 d = kvloop::load_f16(scales + (t * G + g) * kBlock);
+        const __m512 m = kvloop::load_f16(mins + (t * G + g) * kBlock);
+        const __m512 d_lo = _mm512_permutexvar_ps(lo_idx, d), d_hi = _mm512_permutexvar_ps(hi_idx, d);
+        const __m512 m_lo = _mm512_permutexvar_ps(lo_idx, m), m_hi = _mm512_permutexvar_ps(hi_idx, m);
+        const uint8_t* src = packed + (t * G + g) * 256;
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(src + 64 * c);
+          // NOTE: nibbles [n][j] for j = 0..3: inputs 8c + j (low) and 8c + 4 + j (high);
+          // as 16-bit words [n][w], word 0 is the pair (8c, 8c + 1), word 1 (8c + 2, 8c + 3).
+          const __m512i halves[2] = {_mm512_and_si512(v, nib),
+                                     _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+          for (int h = 0; h < 2; ++h) {
+            for (int w = 0; w < 2; ++w) {
+              // The pair row (n, e) of inputs 8c + 4h + 2w + e: 32 codes.
+              const __m512i words = w ? _mm512_srli_epi32(halves[h], 16) : halves[h];
+              const __m256i codes = _mm512_cvtepi32_epi16(words);
+              const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+              const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
+              const __m512 w0 = _mm512_fmadd_ps(q0, d_lo, m_lo), w1 = _mm512_fmadd_ps(q1, d_hi, m_hi);
+              const int64_t pair = g * 16 + c * 4 + h * 2 + w;
+              _mm512_storeu_si512(dst + pair * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            }
+          }
+        }
+      }
+    }
+    return scratch.data();
+  }
+};
+
+// out[M, N] (+)= x[M, K] @ W.T (+ bias) with AMX, W's tiles from ``weights.tiles(t0, nb)``
+// (bf16_linear's layout, a tile every K * 16 values).
+template <typename T, typename Weights>
+void amx_gemm(const Weights& weights, const uint16_t* x, const float* bias, T* out, int64_t M,
+              int64_t N, int64_t K, bool accumulate) {
   // NOTE: an A tile reads 16 rows: a row count that is not a multiple of 16 reads a copy
   // padded with zero rows (their sums are computed and dropped).
   const int64_t Mp = (M + kBlock - 1) / kBlock * kBlock;
@@ -151,12 +216,13 @@ void amx_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, T* o
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t0 = 2 * i;
       const int nb = tiles_n - t0 >= 2 ? 2 : 1;
+      const uint16_t* w = weights.tiles(t0, nb);
       for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kBlock) {
         const int mb = Mp - m0 >= 2 * kBlock ? 2 : 1;
-        if (mb == 2 && nb == 2) tile_block<2, 2>(x, packed, K, m0, t0, c);
-        else if (mb == 2) tile_block<2, 1>(x, packed, K, m0, t0, c);
-        else if (nb == 2) tile_block<1, 2>(x, packed, K, m0, t0, c);
-        else tile_block<1, 1>(x, packed, K, m0, t0, c);
+        if (mb == 2 && nb == 2) tile_block<2, 2>(x, w, K, m0, 0, c);
+        else if (mb == 2) tile_block<2, 1>(x, w, K, m0, 0, c);
+        else if (nb == 2) tile_block<1, 2>(x, w, K, m0, 0, c);
+        else tile_block<1, 1>(x, w, K, m0, 0, c);
         for (int r = 0; r < mb; ++r) {
           for (int j = 0; j < nb; ++j) {
             const float* cb = c + (r * nb + j) * 256;
@@ -175,17 +241,35 @@ void amx_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, T* o
     }
     release_tiles();
   });
-#endif
 }
+#endif
 
 }  // namespace
 
-void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, uint16_t* out,
+template <typename T>
+void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, T* out,
                    int64_t M, int64_t N, int64_t K, bool accumulate) {
-  amx_gemm(x, packed, bias, out, M, N, K, accumulate);
+  TORCH_CHECK(amx_available(), "amx_bf16_gemm: needs AMX-BF16 (this CPU, OS or compiler lacks it)");
+#if KVLOOP_AMX
+  amx_gemm(Bf16Weights{packed, K}, x, bias, out, M, N, K, accumulate);
+#endif
 }
 
-void amx_bf16_gemm(const uint16_t* x, const uint16_t* packed, const float* bias, float* out,
-                   int64_t M, int64_t N, int64_t K, bool accumulate) {
-  amx_gemm(x, packed, bias, out, M, N, K, accumulate);
+template <typename T>
+void amx_q4_gemm(const uint16_t* x, const uint8_t* packed, const uint16_t* scales,
+                 const uint16_t* mins, const float* bias, T* out, int64_t M, int64_t N,
+                 int64_t K, bool accumulate) {
+  TORCH_CHECK(amx_available(), "amx_q4_gemm: needs AMX-BF16 (this CPU, OS or compiler lacks it)");
+#if KVLOOP_AMX
+  amx_gemm(Q4Weights{packed, scales, mins, K}, x, bias, out, M, N, K, accumulate);
+#endif
 }
+
+template void amx_bf16_gemm(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t,
+                            int64_t, int64_t, bool);
+template void amx_bf16_gemm(const uint16_t*, const uint16_t*, const float*, float*, int64_t,
+                            int64_t, int64_t, bool);
+template void amx_q4_gemm(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
+                          const float*, uint16_t*, int64_t, int64_t, int64_t, bool);
+template void amx_q4_gemm(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
+                          const float*, float*, int64_t, int64_t, int64_t, bool);
