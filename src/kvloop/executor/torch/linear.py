@@ -22,7 +22,9 @@ bandwidth. The layouts:
   read bandwidth where oneDNN reaches about half of it at decode sizes. Measured on that VM,
   the 30 layers of SmolLM2-135M with cold weights (``benchmarks/gemv_bandwidth.py``): M=1
   6.0 vs oneDNN's 14.3 ms, M=8 10.4 vs 15.6 ms, M=32 and up within ±10% of oneDNN (both near
-  the CPU's ``vdpbf16ps`` peak).
+  the CPU's ``vdpbf16ps`` peak). On CPUs with AMX (Sapphire Rapids on), from 4 rows the same
+  packed weights go through AMX tiles instead (``amx_gemm.cpp``): on a 2-core Sapphire
+  Rapids VM, M=16 13 ms (oneDNN 24, ``vdpbf16ps`` 35), M=64 28 (oneDNN 27, ``vdpbf16ps`` 119).
 - :class:`F32Linear` (float32 on CPU through kvloop's AVX2 build; ``native.f32_preferred``):
   ``W`` in 16-output tiles, multiplied by kvloop's FMA kernel (``native.f32_linear``). On a 2-core
   AVX2 EPYC (Zen 1), the 30 layers of SmolLM2-135M: M=1 19.4 vs oneDNN's 33.2 ms (22 GB/s
@@ -32,7 +34,8 @@ bandwidth. The layouts:
   4-bit, groups of 32 along the input with a scale and a zero per group (asymmetric
   min/max, as llama.cpp's Q4_1, both float16 as in its blocks), through kvloop's own
   AVX-512 VNNI kernel (``native.q4_linear``, int8 activations as llama.cpp's Q8_1) where it
-  runs, else torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales). A
+  runs (from 32 rows on AMX CPUs: the weights widened to bfloat16, AMX tiles), else torch's
+  ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations and scales). A
   4-bit GGUF (Q4_1) dequantised at conversion is re-quantised here onto its own grid: every
   Q4_1 group holds its min (code 0) and its max (code 15), so min/max recover its float16
   scale and offset (exactly with kvloop's kernel; up to the bfloat16 rounding of torch's

@@ -11,6 +11,9 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
 - ``bf16_linear``: bfloat16 weights times bfloat16 activations with ``vdpbf16ps`` (CPUs with
   AVX-512 BF16; shifts and FMA in the AVX2 build), for the decode-sized products of a
   bfloat16 model (``linear.Bf16Linear``).
+- on CPUs with AMX-BF16, ``bf16_linear`` from 4 rows and ``q4_linear`` from 32 bfloat16
+  rows multiply with AMX tiles (``amx_gemm.cpp``: the 4-bit weights widened to bfloat16
+  first), for prompt chunks and wide batches (:func:`amx_rows`).
 - ``f32_linear``: float32 weights times float32 activations (FMA), for the decode-sized
   products of a float32 model (``linear.F32Linear``).
 - ``decode_attention``: one query token per sequence over its paged KV, reading the cache
