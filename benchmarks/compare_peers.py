@@ -92,7 +92,7 @@ def llama_server_cmd(args: argparse.Namespace, port: int, gguf: str | None = Non
         raise LookupError(f"no GGUF at {model}")
     return [exe, "-m", model, "--alias", "smollm2", "--host", "127.0.0.1",
             "--port", str(port), "-np", str(slots), "-c", str(args.max_model_len * slots),
-            "-t", str(args.llama_threads), "--no-webui"]
+            "-t", str(args.llama_threads), "--no-webui", *(["-nr"] if args.llama_no_repack else [])]
 
 
 def vllm_cmd(args: argparse.Namespace, port: int, dtype: str = "float32") -> list[str]:
@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-extra-bufts", action="store_true",
                    help="let llama.cpp use its AMX/repacked weight buffers (crashes on VMs "
                    "without AMX tile permission)")
+    p.add_argument("--llama-no-repack", action="store_true",
+                   help="start llama-server with -nr (no repacked weights): its repacked "
+                   "Q4_1 path (AMX) died at start on a 2-core Sapphire Rapids VM")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write every report here")
     p.add_argument("--markdown", default=None, help="write the table here")

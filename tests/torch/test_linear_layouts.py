@@ -242,10 +242,12 @@ def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
     assert note.startswith("kvloop's CPU kernels: ") and "decode_attention" in note
     assert ("rms_norm" in note) == bf16.model.fused_ops
     assert ("bf16_linear" in note) == native.bf16_supported()
-    assert ("with AMX from" in note) == (native.bf16_supported() and native.amx_rows() is not None)
+    assert ("bf16_linear with AMX from" in note) == (
+        native.bf16_supported() and "bf16_linear" in native.amx_rows())
     assert ("DecodeLayers" in note) == (bf16.model.decode_layers is not None)
     int4 = make_runner(llama_model, dtype="bfloat16", quantization="int4").kernels_note
     assert "q4_linear" in int4, int4
+    assert ("q4_linear with AMX from" in int4) == ("q4_linear" in native.amx_rows())
 
 
 def test_the_load_line_says_when_torch_kernels_run(llama_model,

@@ -210,9 +210,10 @@ class LlamaForCausalLM:
                                     for m in (layer.qkv, layer.o, layer.gate_up, layer.down))):
             if (operands := getattr(lin, "native_operands", None)) is not None:
                 names.add(operands[0])
-        if "bf16_linear" in names and (rows := native.amx_rows()) is not None:
-            names.add(f"bf16_linear with AMX from {rows} rows")
-            names.discard("bf16_linear")
+        for name, rows in native.amx_rows().items():
+            if name in names:
+                names.discard(name)
+                names.add(f"{name} with AMX from {rows} rows")
         if self.fused_ops:
             names.update(("rms_norm", "rope_write_kv", "silu_mul"))
         if self.decode_layers is not None:

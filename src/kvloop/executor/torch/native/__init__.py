@@ -368,12 +368,14 @@ def pack_bf16(weight: Tensor) -> Tensor:
     return w.permute(0, 2, 1, 3).contiguous()
 
 
-def amx_rows() -> int | None:
-    """From how many rows ``bf16_linear`` multiplies with AMX tiles (``amx_bf16.cpp``) on
-    this machine; None where it never does (no AMX-BF16, an OS that withholds the tiles, the
-    AVX2 build, or no kernels)."""
+def amx_rows() -> dict[str, int]:
+    """From how many rows each kernel multiplies with AMX tiles (``amx_gemm.cpp``) on this
+    machine: ``bf16_linear`` and ``q4_linear`` (bfloat16 rows); empty where none does (no
+    AMX-BF16, an OS that withholds the tiles, the AVX2 build, or no kernels)."""
     mod = kernels()
-    return int(mod.AMX_ROWS) if mod is not None and mod.amx_available() else None
+    if mod is None or not mod.amx_available():
+        return {}
+    return {"bf16_linear": int(mod.AMX_ROWS), "q4_linear": int(mod.AMX_Q4_ROWS)}
 
 
 def f32_preferred() -> bool:

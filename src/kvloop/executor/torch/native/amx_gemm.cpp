@@ -159,14 +159,19 @@ struct Q4Weights {
     const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
     const __m512i nib = _mm512_set1_epi8(0x0F);
+    const auto widen = [](__m128i bytes) {  // 16 codes to float32
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+    };
     for (int j = 0; j < nb; ++j) {
       const int64_t t = t0 + j;
       uint16_t* dst = scratch.data() + j * per_tile;
       for (int64_t g = 0; g < G; ++g) {
         const __m512 d = kvloop::load_f16(scales + (t * G + g) * kBlock);
         const __m512 m = kvloop::load_f16(mins + (t * G + g) * kBlock);
-        const __m512 d_lo = _mm512_permutexvar_ps(lo_idx, d), d_hi = _mm512_permutexvar_ps(hi_idx, d);
-        const __m512 m_lo = _mm512_permutexvar_ps(lo_idx, m), m_hi = _mm512_permutexvar_ps(hi_idx, m);
+        const __m512 d_lo = _mm512_permutexvar_ps(lo_idx, d);
+        const __m512 d_hi = _mm512_permutexvar_ps(hi_idx, d);
+        const __m512 m_lo = _mm512_permutexvar_ps(lo_idx, m);
+        const __m512 m_hi = _mm512_permutexvar_ps(hi_idx, m);
         const uint8_t* src = packed + (t * G + g) * 256;
         for (int c = 0; c < 4; ++c) {
           const __m512i v = _mm512_loadu_si512(src + 64 * c);
@@ -179,9 +184,10 @@ struct Q4Weights {
               // The pair row (n, e) of inputs 8c + 4h + 2w + e: 32 codes.
               const __m512i words = w ? _mm512_srli_epi32(halves[h], 16) : halves[h];
               const __m256i codes = _mm512_cvtepi32_epi16(words);
-              const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
-              const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
-              const __m512 w0 = _mm512_fmadd_ps(q0, d_lo, m_lo), w1 = _mm512_fmadd_ps(q1, d_hi, m_hi);
+              const __m512 q0 = widen(_mm256_castsi256_si128(codes));
+              const __m512 q1 = widen(_mm256_extracti128_si256(codes, 1));
+              const __m512 w0 = _mm512_fmadd_ps(q0, d_lo, m_lo);
+              const __m512 w1 = _mm512_fmadd_ps(q1, d_hi, m_hi);
               const int64_t pair = g * 16 + c * 4 + h * 2 + w;
               _mm512_storeu_si512(dst + pair * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
             }

@@ -23,8 +23,8 @@ bool bf16_available();
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
-// Whether amx_bf16_gemm and amx_q4_gemm run here (the CPU has AMX-BF16, the OS grants its tiles and the
-// compiler had it).
+// Whether amx_bf16_gemm and amx_q4_gemm run here (the CPU has AMX-BF16, the OS grants its
+// tiles and the compiler had it).
 bool amx_available();
 // Rows from which bf16_linear multiplies with AMX where amx_available(). NOTE: measured on a
 // 2-core Sapphire Rapids VM, SmolLM2-135M's 30 layers: from 4 rows on AMX takes the same
