@@ -78,14 +78,13 @@ static_assert(sizeof(TileConfig) == 64);
 
 constexpr int kBlock = 16;  // rows of an A tile, outputs of a tile
 
-// C[MB][NB] (+)= the tiles of rows [m0, m0 + 16 MB) x outputs of tiles t0 .. t0 + NB - 1, each
-// stored as 16 x 16 float32 to c + (mb * NB + nb) * 256.
+// The products of rows [m0, m0 + 16 MB) with the NB tiles of outputs at w (bf16_linear's
+// layout, a tile every K * 16 values), each 16 x 16 float32 stored to c + (mb * NB + nb) * 256.
 // NOTE: tile numbers are part of the instructions, hence the unrolled cases.
 template <int MB, int NB>
 __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* x,
                                                               const uint16_t* w, int64_t K,
-                                                              int64_t m0, int64_t t0,
-                                                              float* c) {
+                                                              int64_t m0, float* c) {
   static_assert(MB >= 1 && MB <= 2 && NB >= 1 && NB <= 2);
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
@@ -94,8 +93,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* x,
   const int64_t x_stride = K * 2;  // bytes between activation rows
   const uint16_t* a0 = x + m0 * K;
   const uint16_t* a1 = a0 + kBlock * K;
-  const uint16_t* b0 = w + t0 * K * kBlock;  // NOTE: a tile is K/2 pairs x 32 values
-  const uint16_t* b1 = b0 + K * kBlock;
+  const uint16_t* b0 = w;
+  const uint16_t* b1 = b0 + K * kBlock;  // NOTE: a tile is K/2 pairs x 32 values
   for (int64_t k = 0; k < K; k += 32) {
     _tile_loadd(6, b0 + k * kBlock, 64);
     if constexpr (NB == 2) _tile_loadd(7, b1 + k * kBlock, 64);
@@ -225,10 +224,10 @@ void amx_gemm(const Weights& weights, const uint16_t* x, const float* bias, T* o
       const uint16_t* w = weights.tiles(t0, nb);
       for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kBlock) {
         const int mb = Mp - m0 >= 2 * kBlock ? 2 : 1;
-        if (mb == 2 && nb == 2) tile_block<2, 2>(x, w, K, m0, 0, c);
-        else if (mb == 2) tile_block<2, 1>(x, w, K, m0, 0, c);
-        else if (nb == 2) tile_block<1, 2>(x, w, K, m0, 0, c);
-        else tile_block<1, 1>(x, w, K, m0, 0, c);
+        if (mb == 2 && nb == 2) tile_block<2, 2>(x, w, K, m0, c);
+        else if (mb == 2) tile_block<2, 1>(x, w, K, m0, c);
+        else if (nb == 2) tile_block<1, 2>(x, w, K, m0, c);
+        else tile_block<1, 1>(x, w, K, m0, c);
         for (int r = 0; r < mb; ++r) {
           for (int j = 0; j < nb; ++j) {
             const float* cb = c + (r * nb + j) * 256;
