@@ -33,8 +33,7 @@ namespace {
 
 using kvloop::bias_data;
 using kvloop::by_activation_dtype;
-using kvloop::check_gemm;
-using kvloop::check_weights;
+using kvloop::check_int_gemm;
 using kvloop::kGroup;
 using kvloop::kTile;
 using kvloop::V16;
@@ -374,11 +373,9 @@ void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
               at::ScalarType scale_type, const at::Tensor& extra, at::ScalarType extra_type,
               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
               MakeTiles&& make_tiles) {
-  check_gemm(name, x, out);
-  check_weights(name, x, out, packed, packed_type, bits, scales, scale_type, extra,
-                extra_type);
+  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, scales, scale_type,
+                                  extra, extra_type, bias);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = bias_data(name, bias, out);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
     const QuantRows rows = quantize_rows(xp, M, K);
     store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);

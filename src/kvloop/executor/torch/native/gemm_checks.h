@@ -81,6 +81,20 @@ inline void check_weights(const char* name, const at::Tensor& x, const at::Tenso
               name, ": W must be contiguous CPU tensors");
 }
 
+// Every check of an integer GEMM's entry point: x and out, the weights (as check_weights)
+// and the bias; returns the bias's data (or null).
+inline const float* check_int_gemm(const char* name, const at::Tensor& x, const at::Tensor& out,
+                                   const at::Tensor& packed, at::ScalarType packed_type,
+                                   int64_t bits, const at::Tensor& scales,
+                                   at::ScalarType scale_type, const at::Tensor& extra,
+                                   at::ScalarType extra_type,
+                                   const std::optional<at::Tensor>& bias) {
+  check_gemm(name, x, out);
+  check_weights(name, x, out, packed, packed_type, bits, scales, scale_type, extra,
+                extra_type);
+  return bias_data(name, bias, out);
+}
+
 // The operands of a float GEMM ``name``: x and out of ``dtype`` (called ``dtype_name``), W
 // of ``dtype`` packed as ``shape`` (``layout`` names it in the error).
 inline void check_float_linear(const char* name, at::ScalarType dtype, const char* dtype_name,

@@ -68,10 +68,8 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                at::Tensor& out, bool accumulate) {
   if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= kAmxQ4Rows &&
       amx_available()) {
-    kvloop::check_gemm("q4_linear", x, out);
-    kvloop::check_weights("q4_linear", x, out, packed, at::kByte, 4, scales, at::kHalf, mins,
-                          at::kHalf);
-    const float* b = kvloop::bias_data("q4_linear", bias, out);
+    const float* b = kvloop::check_int_gemm("q4_linear", x, out, packed, at::kByte, 4, scales,
+                                            at::kHalf, mins, at::kHalf, bias);
     kvloop::by_output_dtype(out, [&](auto* op) {
       amx_q4_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), packed.data_ptr<uint8_t>(),
                   static_cast<const uint16_t*>(scales.data_ptr()),
