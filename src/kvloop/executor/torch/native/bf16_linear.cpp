@@ -50,11 +50,6 @@ struct Bf16Tiles {
   // build free of it.
   template <int R, int W>
   __attribute__((target("avx512bf16"))) void rows(int64_t t, int64_t m0, __m512* acc) const {
-    if constexpr (R == 1 && W == 2) {  // NOTE: one row streams one tile at a time (faster)
-      rows<1, 1>(t, m0, acc);
-      rows<1, 1>(t + 1, m0, acc + 1);
-      return;
-    }
     // NOTE: independent sums per output vector, to cover vdpbf16ps's latency.
     constexpr int U = R * W >= 4 ? 1 : 4 / (R * W);
     const uint16_t* w = packed + t * K * kTile;
@@ -65,8 +60,11 @@ struct Bf16Tiles {
     for (int64_t p = 0; p < P; p += U) {  // NOTE: K % 32 == 0 (check_gemm), so U divides P
       for (int u = 0; u < U; ++u) {
         __m512bh wv[W];
-        for (int j = 0; j < W; ++j)
-          wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K * kTile + (p + u) * 2 * kTile);
+        for (int j = 0; j < W; ++j) {
+          const uint16_t* line = w + j * K * kTile + (p + u) * 2 * kTile;
+          kvloop::prefetch_ahead(line, 2048, 64);
+          wv[j] = (__m512bh)_mm512_loadu_si512(line);
+        }
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + (m0 + r) * K + 2 * (p + u), sizeof pair);

@@ -37,6 +37,11 @@ struct Q4Tiles {
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wg = w + g * 256;
+      if (m0 == 0) {  // NOTE: later row passes find the tile in L1
+        kvloop::prefetch_ahead(wg, 16 * 256, 256);
+        kvloop::prefetch_ahead(d + g * kTile, 16 * 32, 32);
+        kvloop::prefetch_ahead(mn + g * kTile, 16 * 32, 32);
+      }
       __m512i wl[4], wh[4];
       for (int c = 0; c < 4; ++c) {
         __m512i v = _mm512_loadu_si512(wg + 64 * c);

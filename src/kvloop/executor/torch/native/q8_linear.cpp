@@ -35,6 +35,11 @@ struct Q8Tiles {
     const int32_t* cr = corr + t * G * kTile;
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
+      if (m0 == 0) {  // NOTE: 8 groups ahead; later row passes find the tile in L1
+        kvloop::prefetch_ahead(w + g * 512, 8 * 512, 512);
+        kvloop::prefetch_ahead(d + g * kTile, 8 * 32, 32);
+        kvloop::prefetch_ahead(cr + g * kTile, 8 * 64, 64);
+      }
       __m512i wv[8];
       for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + g * 512 + 64 * c);
       const __m512 dv = kvloop::load_f16(d + g * kTile);
