@@ -215,16 +215,14 @@ def dequantise_q8(w: torch.Tensor) -> torch.Tensor:
     return (codes.double() * scale.double()).view(w.shape)
 
 
-def unpack_q8(packed: torch.Tensor, scales: torch.Tensor,
-              corr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The codes ``[N, K]``, scales and corrections ``[N, K/32]`` of ``pack_q8``'s output,
+def unpack_q8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes ``[N, K]`` and scales ``[N, K/32]`` of ``pack_q8``'s output,
     read as ``q8_linear.cpp`` documents its layout: per tile of 16 outputs and group of 32
     inputs, chunk c (64 bytes) holds at byte ``4 n + j`` the weight of ``k = 4 c + j``."""
     tiles, groups = scales.shape[:2]
     n, k = tiles * 16, groups * 32
     codes = packed.view(tiles, groups, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
-    return (codes, scales.transpose(1, 2).reshape(n, groups),
-            corr.transpose(1, 2).reshape(n, groups))
+    return codes, scales.transpose(1, 2).reshape(n, groups)
 
 
 def chunks_reversed(w: torch.Tensor) -> torch.Tensor:
@@ -255,9 +253,10 @@ def test_q8_linear_matches_the_dequantised_weights(m: int, n: int, k: int) -> No
     wrong = [torch.roll(wq, 1, 0), chunks_reversed(wq)] + ([wq.t()] if n == k else [])
     for bad in wrong:
         assert rel_err(y, x.double() @ bad.t() + bias.double()) > 3 * Q8_TOL
-    # sum_k w (a + 128) without the "- 128 sum_k w" term: off by 128 s d sum(w) per group.
-    s = x.float().view(m, -1, 32).abs().amax(-1).double() / 127  # the activations' scales
-    uncorrected = ref + 128 * s @ wq.view(n, -1, 32).sum(-1).t()
+    # sum_k (w + 128) a without the "- 128 sum_k a" term: off by 128 d s sum(a) per group,
+    # s sum(a) being about the group's sum of x.
+    d = (w.view(n, -1, 32).abs().amax(-1) / 127).half().double()  # the weights' scales
+    uncorrected = ref + 128 * x.double().view(m, -1, 32).sum(-1) @ d.t()
     assert rel_err(y, uncorrected) > 3 * Q8_TOL
     # Without a bias the kernel adds nothing; add_to_ accumulates.
     plain = Int8Linear(w, None)(x)
@@ -289,28 +288,25 @@ def q8_grid_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 def test_pack_q8_finds_a_q8_0_grid_again(n: int, k: int) -> None:
     w, codes, scale = q8_grid_weight(n, k, seed=n + k)
     lin = Int8Linear(w, None)
-    packed, scales, corr = lin.packed, lin.scales, lin.corr
+    packed, scales = lin.packed, lin.scales
     # NOTE: the kernel reads the bytes in order: their count and contiguity matter, not the
     # tensor's shape (pack_q8's docstring says [N/16, K/32, 512]; it returns that as
     # [N/16, K/32, 8, 16, 4]).
     assert packed.dtype == torch.int8 and packed.numel() == n * k and packed.is_contiguous()
     assert packed.shape[:2] == (n // 16, k // 32)
     assert scales.dtype == torch.float16 and scales.shape == (n // 16, k // 32, 16)
-    assert corr.dtype == torch.int32 and corr.shape == (n // 16, k // 32, 16)
-    got_codes, got_scale, got_corr = unpack_q8(packed, scales, corr)
+    got_codes, got_scale = unpack_q8(packed, scales)
     assert torch.equal(got_codes.long(), codes)
     assert torch.equal(got_scale.float(), scale)
-    assert torch.equal(got_corr, 128 * codes.view(n, -1, 32).sum(-1).int())
     dequantised = (got_scale.float()[..., None] * got_codes.float().view(n, -1, 32)).view(n, k)
     assert torch.equal(dequantised, w)
     assert torch.equal(dequantise_q8(w), w.double())
-    # Off the grid the codes still span -127..127 per group, and corr follows them.
+    # Off the grid the codes still span -127..127 per group.
     off = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05
     lin = Int8Linear(off, None)
-    off_codes, off_scale, off_corr = unpack_q8(lin.packed, lin.scales, lin.corr)
+    off_codes, off_scale = unpack_q8(lin.packed, lin.scales)
     groups = off_codes.view(n, -1, 32).long()
     assert bool((groups.abs().amax(-1) >= 126).all())  # NOTE: 127 up to the float16 scale
-    assert torch.equal(off_corr, 128 * groups.sum(-1).int())
     assert torch.equal(off_scale, (off.view(n, -1, 32).abs().amax(-1) / 127).half())
     # The codes are the nearest against the float16 scale, not against the float32 one.
     off_groups = off.view(n, -1, 32)
@@ -430,18 +426,16 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
 
 @pytest.mark.parametrize("change, message", [
     ({"x": torch.randn(2, 48).to(BF16), "packed": torch.zeros(32 * 48, dtype=torch.int8),
-      "scales": torch.ones(48), "corr": torch.zeros(48, dtype=torch.int32)}, "shapes"),
+      "scales": torch.ones(48)}, "shapes"),
     ({"out": torch.empty(2, 24, dtype=BF16)}, "shapes"),
     ({"out": torch.empty(3, 32, dtype=BF16)}, "shapes"),
     ({"packed": torch.zeros(32 * 16, dtype=torch.int8)}, "W"),
     ({"packed": torch.zeros(2, 2, 512, dtype=torch.uint8)}, "W"),
     ({"scales": torch.ones(2, 2, 16, dtype=BF16)}, "W"),
     ({"scales": torch.ones(2, 2, 16)}, "W"),
-    ({"corr": torch.zeros(2, 2, 16, dtype=torch.int64)}, "W"),
-    ({"corr": torch.zeros(2, 1, 16, dtype=torch.int32)}, "W"),
+    ({"scales": torch.ones(2, 1, 16, dtype=torch.float16)}, "W"),
     ({"packed": torch.zeros(2, 2, 1024, dtype=torch.int8)[..., ::2]}, "contiguous"),
     ({"scales": torch.ones(2, 2, 32, dtype=torch.float16)[..., ::2]}, "contiguous"),
-    ({"corr": torch.zeros(2, 2, 32, dtype=torch.int32)[..., ::2]}, "contiguous"),
     ({"out": torch.empty(2, 32, dtype=torch.float16)}, "dtypes"),
     ({"bias": torch.zeros(32, dtype=BF16)}, "bias"),
     ({"bias": torch.zeros(16)}, "bias"),
@@ -451,7 +445,7 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
     ({"out": torch.empty(2, 64, dtype=BF16)[:, ::2]}, "layout"),
     ({"x": torch.randn(2, 1, 64).to(BF16)}, "layout"),
 ], ids=["k-48", "n-24", "m-out", "packed-size", "packed-uint8", "scales-dtype", "scales-float32",
-        "corr-int64", "corr-size", "strided-packed", "strided-scales", "strided-corr", "out-dtype",
+        "scales-size", "strided-packed", "strided-scales", "out-dtype",
         "bias-dtype", "bias-size", "strided-bias", "float16", "strided-x", "strided-out",
         "x-3d"])
 def test_q8_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:

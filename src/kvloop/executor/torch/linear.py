@@ -297,21 +297,21 @@ class Int8Linear:
         scale = _float16_values(groups.abs().amax(-1) / 127, "int8", "scale")
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = (groups / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.packed, self.scales, self.corr = native.pack_q8(codes.view(weight.shape), scale)
+        self.packed, self.scales = native.pack_q8(codes.view(weight.shape), scale)
         self._bias32 = None if bias is None else bias.float().contiguous()
 
     @property
     def tensors(self) -> list[Tensor]:
         """The tensors a product reads (the float32 bias copy, not the loaded bias)."""
-        return [t for t in (self.packed, self.scales, self.corr, self._bias32) if t is not None]
+        return [t for t in (self.packed, self.scales, self._bias32) if t is not None]
 
     @property
     def native_operands(self) -> tuple[str, list[Tensor], Tensor | None]:
         """As :attr:`F32Linear.native_operands`."""
-        return "q8_linear", [self.packed, self.scales, self.corr], self._bias32
+        return "q8_linear", [self.packed, self.scales], self._bias32
 
     def __call__(self, x: Tensor) -> Tensor:
-        return _native_product("q8_linear", x, (self.packed, self.scales, self.corr),
+        return _native_product("q8_linear", x, (self.packed, self.scales),
                                self._bias32, x.new_empty(x.shape[0], self.out_features))
 
     def add_to_(self, out: Tensor, x: Tensor) -> None:

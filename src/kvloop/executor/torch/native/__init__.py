@@ -324,11 +324,11 @@ def pack_q4(codes: Tensor, scale: Tensor, low: Tensor) -> tuple[Tensor, Tensor, 
     return packed, _float16_tiles("pack_q4", "scale", scale), _float16_tiles("pack_q4", "low", low)
 
 
-def pack_q8(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def pack_q8(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """``q8_linear``'s layout (``q8_linear.cpp``) of ``W[n, k] = scale[n, g] * codes[n, k]``,
     ``g = k // 32``: codes ``[N, K]`` in -127..127, scale ``[N, K/32]`` (llama.cpp's Q8_0).
-    Returns the packed bytes ``[N/16, K/32, 512]``, the float16 scales (as a Q8_0 block holds
-    them) and the offset corrections ``128 * sum(codes)`` ``[N/16, K/32, 16]``.
+    Returns the packed bytes ``[N/16, K/32, 512]`` and the float16 scales (as a Q8_0 block
+    holds them) ``[N/16, K/32, 16]``.
 
     NOTE: ``scale`` must already hold float16 values (``Int8Linear`` quantises onto them),
     as ``pack_q4``'s."""
@@ -338,8 +338,7 @@ def pack_q8(codes: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     # (tile, row, group, chunk, byte) -> (tile, group, chunk, row, byte)
     packed = codes.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
     packed = packed.reshape(tiles, groups, 512)
-    corr = 128 * codes.view(n, groups, 32).sum(-1, dtype=torch.int32)
-    return packed, _float16_tiles("pack_q8", "scale", scale), _per_tile(corr)
+    return packed, _float16_tiles("pack_q8", "scale", scale)
 
 
 def _float16_tiles(kernel: str, name: str, values: Tensor) -> Tensor:

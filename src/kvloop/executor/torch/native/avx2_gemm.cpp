@@ -13,8 +13,7 @@
 //       bits (<= 30480) before one vpmaddwd.
 //   q8: weights -127..127 are signed, so (llama.cpp's trick) |w| is the unsigned operand and
 //       the activation takes w's sign (vpsignb): a pair sums to at most 2 * 127 * 127 = 32258,
-//       each chunk widened at once. The activations stay signed: the offset correction
-//       (``corr``) of the VNNI kernel is not needed.
+//       each chunk widened at once.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -369,12 +368,11 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
 
 template <typename MakeTiles>
 void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
-              at::ScalarType packed_type, int64_t bits, const at::Tensor& scales,
-              at::ScalarType scale_type, const at::Tensor& extra, at::ScalarType extra_type,
+              at::ScalarType packed_type, int64_t bits,
+              std::initializer_list<kvloop::PerGroup> per_group,
               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
               MakeTiles&& make_tiles) {
-  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, scales, scale_type,
-                                  extra, extra_type, bias);
+  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
     const QuantRows rows = quantize_rows(xp, M, K);
@@ -389,21 +387,18 @@ void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias, at::Tensor& out,
                bool accumulate) {
-  int_gemm("q4_linear", x, packed, at::kByte, 4, scales, at::kHalf, mins, at::kHalf, bias, out,
-           accumulate, [&](const QuantRows& rows, int64_t K) {
+  int_gemm("q4_linear", x, packed, at::kByte, 4, {{scales, at::kHalf}, {mins, at::kHalf}}, bias,
+           out, accumulate, [&](const QuantRows& rows, int64_t K) {
              return Q4Tiles{packed.data_ptr<uint8_t>(),
                             static_cast<const uint16_t*>(scales.data_ptr()),
                             static_cast<const uint16_t*>(mins.data_ptr()), rows, K, K / kGroup};
            });
 }
 
-// NOTE: ``corr`` (the VNNI kernel's offset correction) is checked but not read: the
-// activations enter signed here.
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-               const at::Tensor& corr, const std::optional<at::Tensor>& bias, at::Tensor& out,
-               bool accumulate) {
-  int_gemm("q8_linear", x, packed, at::kChar, 8, scales, at::kHalf, corr, at::kInt, bias, out,
-           accumulate, [&](const QuantRows& rows, int64_t K) {
+               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+  int_gemm("q8_linear", x, packed, at::kChar, 8, {{scales, at::kHalf}}, bias, out, accumulate,
+           [&](const QuantRows& rows, int64_t K) {
              return Q8Tiles{packed.data_ptr<int8_t>(),
                             static_cast<const uint16_t*>(scales.data_ptr()), rows, K,
                             K / kGroup};

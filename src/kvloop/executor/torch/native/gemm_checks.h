@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 
 namespace kvloop {
@@ -63,35 +64,37 @@ void by_activation_dtype(const char* name, const at::Tensor& x, at::Tensor& out,
   }
 }
 
+// A per-(output, group) tensor of an integer GEMM's weights (its scales, Q4's offsets) and
+// the dtype it must have.
+struct PerGroup {
+  const at::Tensor& t;
+  at::ScalarType type;
+};
+
 // The weights of an integer GEMM: ``packed`` (``bits`` per weight, of ``packed_type``) and
-// two per-(output, group) tensors, ``scales`` (of ``scale_type``) and ``extra`` (of
-// ``extra_type``).
+// its per-(output, group) tensors.
 inline void check_weights(const char* name, const at::Tensor& x, const at::Tensor& out,
                           const at::Tensor& packed, at::ScalarType packed_type, int64_t bits,
-                          const at::Tensor& scales, at::ScalarType scale_type,
-                          const at::Tensor& extra, at::ScalarType extra_type) {
+                          std::initializer_list<PerGroup> per_group) {
   const int64_t K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.scalar_type() == packed_type && packed.numel() == N * K * bits / 8 &&
-                  scales.scalar_type() == scale_type && scales.numel() == N * K / kGroup &&
-                  extra.scalar_type() == extra_type && extra.numel() == N * K / kGroup,
-              name, ": W");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && extra.is_contiguous() &&
-                  packed.device().is_cpu() && scales.device().is_cpu() &&
-                  extra.device().is_cpu(),
-              name, ": W must be contiguous CPU tensors");
+  bool shapes = packed.scalar_type() == packed_type && packed.numel() == N * K * bits / 8;
+  bool layout = packed.is_contiguous() && packed.device().is_cpu();
+  for (const PerGroup& g : per_group) {
+    shapes = shapes && g.t.scalar_type() == g.type && g.t.numel() == N * K / kGroup;
+    layout = layout && g.t.is_contiguous() && g.t.device().is_cpu();
+  }
+  TORCH_CHECK(shapes, name, ": W");
+  TORCH_CHECK(layout, name, ": W must be contiguous CPU tensors");
 }
 
 // Every check of an integer GEMM's entry point: x and out, the weights (as check_weights)
 // and the bias; returns the bias's data (or null).
 inline const float* check_int_gemm(const char* name, const at::Tensor& x, const at::Tensor& out,
                                    const at::Tensor& packed, at::ScalarType packed_type,
-                                   int64_t bits, const at::Tensor& scales,
-                                   at::ScalarType scale_type, const at::Tensor& extra,
-                                   at::ScalarType extra_type,
+                                   int64_t bits, std::initializer_list<PerGroup> per_group,
                                    const std::optional<at::Tensor>& bias) {
   check_gemm(name, x, out);
-  check_weights(name, x, out, packed, packed_type, bits, scales, scale_type, extra,
-                extra_type);
+  check_weights(name, x, out, packed, packed_type, bits, per_group);
   return bias_data(name, bias, out);
 }
 

@@ -19,18 +19,20 @@ namespace kvloop {
 
 constexpr int kRows = 4;    // activation rows sharing one pass over an integer tile's weights
 
-// x[m, k] ~ s[m, g] * a[m, k], g = k / 32, a in -127..127 (stored + 128 as unsigned bytes
-// with ``offset``, for vpdpbusd's unsigned operand); ssum = s * sum of the group's a.
+// x[m, k] ~ s[m, g] * a[m, k], g = k / 32, a in -127..127 (signed: vpdpbusd's second
+// operand); sum = the group's sum of a, ssum = s * sum.
 struct QuantRows {
-  std::vector<int8_t> a;   // [M][K]
-  std::vector<float> s;    // [M][G] scale of each group
-  std::vector<float> ssum; // [M][G] s * sum of the group's codes
+  std::vector<int8_t> a;    // [M][K]
+  std::vector<float> s;     // [M][G] scale of each group
+  std::vector<float> ssum;  // [M][G] s * sum of the group's codes
+  std::vector<int32_t> sum; // [M][G] sum of the group's codes
 };
 
 template <typename T>
-inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
+inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
-  QuantRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  QuantRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G),
+              std::vector<int32_t>(M * G)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = x + m * K + g * kGroup;
@@ -48,16 +50,13 @@ inline QuantRows quantize_rows(const T* x, int64_t M, int64_t K, bool offset) {
       __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv));  // round to nearest even
       __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
       int8_t* dst = q.a.data() + m * K + g * kGroup;
-      __m128i bl = _mm512_cvtsepi32_epi8(ql), bh = _mm512_cvtsepi32_epi8(qh);
-      if (offset) {  // NOTE: code + 128 as unsigned bytes (two's complement: flip the top bit)
-        bl = _mm_xor_si128(bl, _mm_set1_epi8(static_cast<char>(0x80)));
-        bh = _mm_xor_si128(bh, _mm_set1_epi8(static_cast<char>(0x80)));
-      }
+      const __m128i bl = _mm512_cvtsepi32_epi8(ql), bh = _mm512_cvtsepi32_epi8(qh);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bl);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), bh);
       int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
       q.s[m * G + g] = s;
       q.ssum[m * G + g] = s * static_cast<float>(sum);
+      q.sum[m * G + g] = sum;
     }
   }
   return q;
@@ -131,20 +130,17 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // The body of an integer GEMM's entry point: checks x, out, the weights (``packed``, ``bits``
-// per weight, and two per-(output, group) tensors: ``scales`` of ``scale_type`` and ``extra`` of
-// ``extra_type``) and the bias, quantises x's rows (``offset``: as unsigned bytes), then out (+)= the tiles of
-// ``make_tiles(rows, K)`` (+ bias).
+// per weight, and its per-(output, group) tensors) and the bias, quantises x's rows, then
+// out (+)= the tiles of ``make_tiles(rows, K)`` (+ bias).
 template <typename MakeTiles>
 void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
-              at::ScalarType packed_type, int64_t bits, const at::Tensor& scales,
-              at::ScalarType scale_type, const at::Tensor& extra, at::ScalarType extra_type,
+              at::ScalarType packed_type, int64_t bits, std::initializer_list<PerGroup> per_group,
               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
-              bool offset, MakeTiles&& make_tiles) {
-  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, scales, scale_type,
-                                  extra, extra_type, bias);
+              MakeTiles&& make_tiles) {
+  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
-    const QuantRows rows = quantize_rows(xp, M, K, offset);
+    const QuantRows rows = quantize_rows(xp, M, K);
     store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);
   });
 }

@@ -14,8 +14,7 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 
 // The same with W in 8 bits (see q8_linear.cpp).
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-               const at::Tensor& corr, const std::optional<at::Tensor>& bias,
-               at::Tensor& out, bool accumulate);
+               const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
 // Whether bf16_linear runs here (the CPU has AVX-512 BF16 and the compiler had it).
 bool bf16_available();

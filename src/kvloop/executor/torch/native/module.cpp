@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
         py::arg("out"), py::arg("accumulate"));
   m.def("q8_linear", &q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits", kFree,
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("corr"), py::arg("bias"),
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"),
         py::arg("out"), py::arg("accumulate"));
   m.def("bf16_linear", &bf16_linear, "out (+)= x @ W.T (+ bias), W and x in bfloat16", kFree,
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));

@@ -73,8 +73,8 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                at::Tensor& out, bool accumulate) {
   if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= kAmxQ4Rows &&
       amx_available()) {
-    const float* b = kvloop::check_int_gemm("q4_linear", x, out, packed, at::kByte, 4, scales,
-                                            at::kHalf, mins, at::kHalf, bias);
+    const float* b = kvloop::check_int_gemm("q4_linear", x, out, packed, at::kByte, 4,
+                                            {{scales, at::kHalf}, {mins, at::kHalf}}, bias);
     kvloop::by_output_dtype(out, [&](auto* op) {
       amx_q4_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), packed.data_ptr<uint8_t>(),
                   static_cast<const uint16_t*>(scales.data_ptr()),
@@ -83,8 +83,8 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     });
     return;
   }
-  kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4, scales, at::kHalf, mins, at::kHalf,
-                   bias, out, accumulate, false, [&](const QuantRows& rows, int64_t K) {
+  kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4,
+                   {{scales, at::kHalf}, {mins, at::kHalf}}, bias, out, accumulate, [&](const QuantRows& rows, int64_t K) {
                      return Q4Tiles{packed.data_ptr<uint8_t>(),
                                     static_cast<const uint16_t*>(scales.data_ptr()),
                                     static_cast<const uint16_t*>(mins.data_ptr()), rows, K,
