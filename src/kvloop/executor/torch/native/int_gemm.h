@@ -110,16 +110,34 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
   });
 }
 
-// Asks for the 64-byte lines holding [p + ahead, p + ahead + bytes) into every cache level.
-// NOTE: a one-row product streams its weights once and does little arithmetic per byte; on
-// the Sapphire Rapids VM the hardware prefetchers alone kept its reads at 60-80 % of a plain
-// sum's bandwidth, and asking for the bytes 2-4 KiB ahead brought them to 85-100 %
-// (docs/native-kernels.md, twelfth round). A tile's groups, and the tiles a thread takes,
-// follow one another in memory, so reading ahead also covers the start of the next tile;
-// past the end of a matrix a prefetch is a no-op (it never faults).
+// Whether prefetch_ahead asks for its lines into L2 (prefetcht1) rather than into every
+// level (prefetcht0): on AMD CPUs.
+// NOTE: measured per CPU (docs/native-kernels.md, thirteenth round). On Zen 4, asking for
+// the lines into L1 made a one-row bfloat16 pass slower than no prefetch at all (8.7 against
+// 8.3 ms over the default model's layers) and asking for them into L2 faster (6.7 ms); on
+// Sapphire Rapids prefetcht0 took the same pass from 60-80 % to 85-100 % of a plain sum's
+// bandwidth (twelfth round; prefetcht1 not measured there).
+inline const bool kPrefetchToL2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") != 0;
+}();
+
+// Asks for the 64-byte lines holding [p + ahead, p + ahead + bytes) (into L2 or every level:
+// kPrefetchToL2).
+// NOTE: a one-row product streams its weights once and does little arithmetic per byte; the
+// hardware prefetchers alone kept its reads at 60-80 % of a plain sum's bandwidth on the
+// Sapphire Rapids VM and at 75-85 % on the Zen 4 one, and asking for the bytes 2-4 KiB ahead
+// brought them to 85-100 % (docs/native-kernels.md, twelfth and thirteenth rounds). A tile's
+// groups, and the tiles a thread takes, follow one another in memory, so reading ahead also
+// covers the start of the next tile; past the end of a matrix a prefetch is a no-op (it
+// never faults).
 inline void prefetch_ahead(const void* p, int64_t ahead, int64_t bytes) {
   const char* c = static_cast<const char*>(p) + ahead;
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  if (kPrefetchToL2) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+  } else {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  }
 }
 
 // 4 bytes of ``p`` broadcast to every 32-bit lane (memcpy: no aliasing of int8 as int32).
