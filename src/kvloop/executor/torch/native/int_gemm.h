@@ -125,12 +125,12 @@ inline const bool kPrefetchToL2 = [] {
 // Asks for the 64-byte lines holding [p + ahead, p + ahead + bytes) (into L2 or every level:
 // kPrefetchToL2).
 // NOTE: a one-row product streams its weights once and does little arithmetic per byte; the
-// hardware prefetchers alone kept its reads at 60-80 % of a plain sum's bandwidth on the
-// Sapphire Rapids VM and at 75-85 % on the Zen 4 one, and asking for the bytes 2-4 KiB ahead
-// brought them to 85-100 % (docs/native-kernels.md, twelfth and thirteenth rounds). A tile's
-// groups, and the tiles a thread takes, follow one another in memory, so reading ahead also
-// covers the start of the next tile; past the end of a matrix a prefetch is a no-op (it
-// never faults).
+// hardware prefetchers alone kept its reads at 60-80 % of a plain sum's bandwidth, on the
+// Sapphire Rapids VM and on the Zen 4 one, and asking for the bytes 2-4 KiB ahead brought
+// them to 85-100 % and 75-100 % (docs/native-kernels.md, twelfth and thirteenth rounds).
+// A tile's groups, and the tiles a thread takes, follow one another in memory, so reading
+// ahead also covers the start of the next tile; past the end of a matrix a prefetch is a
+// no-op (it never faults).
 inline void prefetch_ahead(const void* p, int64_t ahead, int64_t bytes) {
   const char* c = static_cast<const char*>(p) + ahead;
   if (kPrefetchToL2) {
