@@ -2,7 +2,10 @@
 
 A decode step must read every weight once, so its time cannot be below
 ``weight bytes / read bandwidth``. The bandwidth is measured here (the best of several
-full reads of a 1 GiB tensor with torch's threads), the step time by running ``batch``
+full reads of a 1 GiB tensor with torch's threads) before and after each batch, whose floor
+takes the faster of its two reads (a shared VM's bandwidth can move by 2x from one minute to
+the next: the run ends with the range it read, and a warning when that range is wide), the
+step time by running ``batch``
 requests (``--prompt-len`` tokens, 128 by default, outputs forced to 64 tokens) through
 ``LLMEngine`` and
 timing every step in which all of them decode. Printed per batch: the floor, the GEMM
@@ -37,6 +40,7 @@ ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::ind
                  "aten::index_copy_", "kvloop::decode_attention"}
 
 OUTPUT_LEN = 64
+BANDWIDTH_SPREAD = 1.25  # the read bandwidth's max/min over a run above which it warns
 
 
 def _sync(device: torch.device) -> None:
@@ -163,7 +167,7 @@ def main() -> int:
     nbytes = engine.executor.model.streamed_bytes
     device = engine.executor.device
     bandwidth = read_bandwidth(device)
-    floor = nbytes / bandwidth
+    reads = [bandwidth]
     dtype = str(engine.executor.dtype).removeprefix("torch.")
     if args.quantization:
         kernel = "kvloop's" if engine.executor.model.layers[0].qkv.native else "torch's"
@@ -172,9 +176,9 @@ def main() -> int:
             "decodes in place (kvloop's kernel)" if engine.executor.native_attention
             else "gather")
     print(f"# {device_name(device)}; {args.model} ({dtype}, attention: {path}): weights "
-          f"read per step {nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s, floor "
-          f"{floor * 1000:.1f} ms per step; {args.prompt_len}-token prompts, {OUTPUT_LEN} "
-          "output tokens")
+          f"read per step {nbytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s at the "
+          f"start (floor {nbytes / bandwidth * 1000:.1f} ms per step); {args.prompt_len}-token "
+          f"prompts, {OUTPUT_LEN} output tokens")
     decode_steps(engine, 1, seed=99, prompt_len=args.prompt_len)  # NOTE: warm-up
     print("| batch | floor ms | GEMMs ms | decode step ms (median) | step / floor | "
           "step / GEMMs | tok/s |")
@@ -184,12 +188,19 @@ def main() -> int:
         times = decode_steps(engine, b, seed=b, prompt_len=args.prompt_len)
         step = statistics.median(times)
         gemms = gemm_time(engine, b)
+        reads.append(read_bandwidth(device))
+        floor = nbytes / max(reads[-2:])
         print(f"| {b} | {floor * 1000:.1f} | {gemms * 1000:.1f} | {step * 1000:.1f} | "
               f"{step / floor:.2f} | {step / gemms:.2f} | {b / step:.1f} |", flush=True)
         if args.profile:
             profiles.append(f"batch {b}: {profile_shares(engine, b, args.prompt_len)}")
     for line in profiles:
         print(line)
+    low, high = min(reads), max(reads)
+    print(f"read bandwidth over the run: {low / 1e9:.1f}-{high / 1e9:.1f} GB/s")
+    if high > BANDWIDTH_SPREAD * low:
+        print(f"NOTE: the read bandwidth moved by {high / low:.2f}x during this run; the floors "
+              "and step/floor ratios move with it (compare ratios from alternating runs)")
     return 0
 
 
