@@ -115,8 +115,7 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
 // NOTE: measured per CPU (docs/native-kernels.md, thirteenth round). On Zen 4, asking for
 // the lines into L1 made a one-row bfloat16 pass slower than no prefetch at all (8.7 against
 // 8.3 ms over the default model's layers) and asking for them into L2 faster (6.7 ms); on
-// Sapphire Rapids prefetcht0 took the same pass from 60-80 % to 85-100 % of a plain sum's
-// bandwidth (twelfth round; prefetcht1 not measured there).
+// Sapphire Rapids only prefetcht0 was measured (twelfth round).
 inline const bool kPrefetchToL2 = [] {
   __builtin_cpu_init();
   return __builtin_cpu_is("amd") != 0;

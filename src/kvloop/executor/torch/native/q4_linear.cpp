@@ -84,7 +84,8 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     return;
   }
   kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4,
-                   {{scales, at::kHalf}, {mins, at::kHalf}}, bias, out, accumulate, [&](const QuantRows& rows, int64_t K) {
+                   {{scales, at::kHalf}, {mins, at::kHalf}}, bias, out, accumulate,
+                   [&](const QuantRows& rows, int64_t K) {
                      return Q4Tiles{packed.data_ptr<uint8_t>(),
                                     static_cast<const uint16_t*>(scales.data_ptr()),
                                     static_cast<const uint16_t*>(mins.data_ptr()), rows, K,
