@@ -2,7 +2,8 @@
 
 A decode step must read every weight once, so its time cannot be below
 ``weight bytes / read bandwidth``. The bandwidth is measured here (the best of several
-full reads of a 1 GiB tensor with torch's threads) before and after each batch, whose floor
+full reads of a 1 GiB tensor with torch's threads, on transparent huge pages where the OS
+offers them, as kvloop keeps a CPU model's weights) before and after each batch, whose floor
 takes the faster of its two reads (a shared VM's bandwidth can move by 2x from one minute to
 the next: the run ends with the range it read, and a warning when that range is wide), the
 step time by running ``batch``
@@ -29,6 +30,7 @@ import torch
 
 from kvloop.engine.args import EngineArgs
 from kvloop.engine.llm_engine import LLMEngine
+from kvloop.executor.torch.huge_pages import move_to_huge_pages
 from kvloop.executor.torch.profiler import device_name
 from kvloop.sampling_params import SamplingParams
 
@@ -51,6 +53,8 @@ def _sync(device: torch.device) -> None:
 def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second of the fastest of ``repeats`` full reads (a sum) of ``nbytes``."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    if device.type == "cpu":
+        move_to_huge_pages([x])  # NOTE: where kvloop keeps the weights a step streams
     x.sum()  # NOTE: touch every page before timing
     best = float("inf")
     for _ in range(repeats):

@@ -2,7 +2,9 @@
 
 Sharded checkpoints are found through ``model.safetensors.index.json`` (or, without an
 index, by listing every ``*.safetensors`` file). Tensors are read one at a time, cast to the
-requested dtype and placed on the device, so peak host memory stays near one tensor.
+requested dtype and placed on the device, so peak host memory stays near one tensor. On CPU
+the weights a decode step streams then move, in the order it reads them, onto transparent
+huge pages (``huge_pages``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from kvloop.executor.torch.huge_pages import move_to_huge_pages
 from kvloop.executor.torch.models import ModelConfig, get_model_class
 from kvloop.executor.torch.models.llama import LlamaForCausalLM
 from kvloop.executor.torch.native import cpu_flags
@@ -120,7 +123,8 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Parse the folder's config and build its model on ``device`` in ``dtype`` (layer
-    matrices quantised when ``quantization`` is given)."""
+    matrices quantised when ``quantization`` is given; on CPU its streamed weights on huge
+    pages where the OS offers them)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
@@ -137,4 +141,6 @@ def load_model(
         model = cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
+    if device.type == "cpu":
+        move_to_huge_pages(model.streamed_tensors())
     return config, model

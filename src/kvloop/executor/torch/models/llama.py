@@ -194,13 +194,13 @@ class LlamaForCausalLM:
     def num_parameter_bytes(self) -> int:
         """Bytes held by the weights (storage a tied head shares with the embedding counted
         once; a packed copy of it counted)."""
-        return _nbytes([self.embed, *self._streamed_tensors()])
+        return _nbytes([self.embed, *self.streamed_tensors()])
 
     @property
     def streamed_bytes(self) -> int:
         """Bytes of weights one decode step reads: every layer's, the final norm and the LM
         head; not the embedding, of which a step reads only a few rows."""
-        return _nbytes(self._streamed_tensors())
+        return _nbytes(self.streamed_tensors())
 
     @property
     def native_kernels(self) -> list[str]:
@@ -220,13 +220,13 @@ class LlamaForCausalLM:
             names.add("DecodeLayers")
         return sorted(names)
 
-    def _streamed_tensors(self) -> list[Tensor]:
-        tensors = [self.norm, *self.lm_head.tensors]
+    def streamed_tensors(self) -> list[Tensor]:
+        """The tensors of :attr:`streamed_bytes`, in the order a decode step reads them."""
+        tensors: list[Tensor] = []
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_norm]
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                tensors += lin.tensors
-        return tensors
+            tensors += [layer.input_norm, *layer.qkv.tensors, *layer.o.tensors,
+                        layer.post_norm, *layer.gate_up.tensors, *layer.down.tensors]
+        return [*tensors, self.norm, *self.lm_head.tensors]
 
     def rope(self, positions: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
         """cos and signed sin [T, 1, head_dim] in the activation dtype for ``positions``

@@ -37,12 +37,18 @@ namespace {
 
 using kvloop::kTile;
 
+// W tiles a pass: 2 from 2 rows on (2 weight loads feed 2 R products), 1 for one row.
+// NOTE: a one-row pass only streams its weights, and one tile a pass reads each thread's
+// tiles as one sequential run of memory instead of two runs a tile apart: on the 2-core
+// Zen 4 VM the default model's decode step at batch 1 took 0.78-0.93x the time with two
+// (docs/native-kernels.md, fourteenth round). From 2 rows on, the shared loads count more.
+template <int W_>
 struct Bf16Tiles {
   const uint16_t* packed;
   const uint16_t* x;
   int64_t K;
 
-  static constexpr int kWidth = 2;  // tiles per pass: 2 weight loads feed 2 R products
+  static constexpr int kWidth = W_;
   static constexpr int kRows = 8;   // rows per pass: 16 sums, 2 weight and 8 row registers
 
   // NOTE: only this function needs AVX-512 BF16 (checked by the caller, as the CPUs with
@@ -50,8 +56,9 @@ struct Bf16Tiles {
   // build free of it.
   template <int R, int W>
   __attribute__((target("avx512bf16"))) void rows(int64_t t, int64_t m0, __m512* acc) const {
-    // NOTE: independent sums per output vector, to cover vdpbf16ps's latency.
-    constexpr int U = R * W >= 4 ? 1 : 4 / (R * W);
+    // NOTE: independent sums per output vector, to cover vdpbf16ps's latency (2 at one row
+    // and one tile: 4 were slower in the standalone harness).
+    constexpr int U = W_ == 1 ? 2 : R * W >= 4 ? 1 : 4 / (R * W);
     const uint16_t* w = packed + t * K * kTile;
     const int64_t P = K / 2;
     __m512 part[U][R * W];
@@ -98,8 +105,10 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   kvloop::by_output_dtype(out, [&](auto* op) {
     if (M >= kAmxRows && amx_available()) {
       amx_bf16_gemm(xp, wp, b, op, M, N, K, accumulate);
+    } else if (M == 1) {
+      kvloop::store_tiles(Bf16Tiles<1>{wp, xp, K}, b, op, M, N, accumulate);
     } else {
-      kvloop::store_tiles(Bf16Tiles{wp, xp, K}, b, op, M, N, accumulate);
+      kvloop::store_tiles(Bf16Tiles<2>{wp, xp, K}, b, op, M, N, accumulate);
     }
   });
 #endif

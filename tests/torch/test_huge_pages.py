@@ -1,0 +1,88 @@
+"""Weights moved onto transparent huge pages keep their values and their holders, skip what
+cannot move, and move nothing where the OS offers no huge pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvloop.executor.torch import huge_pages  # noqa: E402
+from kvloop.executor.torch.huge_pages import (  # noqa: E402
+    ALIGN,
+    huge_pages_offered,
+    move_to_huge_pages,
+)
+from kvloop.executor.torch.loader import load_model  # noqa: E402
+
+needs_huge_pages = pytest.mark.skipif(not huge_pages_offered(),
+                                      reason="this OS offers no transparent huge pages")
+
+
+def _offered(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, setting: str) -> None:
+    path = tmp_path / "enabled"
+    path.write_text(setting)
+    monkeypatch.setattr(huge_pages, "THP_SETTING", path)
+
+
+@needs_huge_pages
+def test_moves_values_in_order_and_holders_see_them() -> None:
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        inference = torch.randn(3, 5, generator=g)  # NOTE: changed in place under it only
+    tensors = [torch.randn(1000, generator=g).to(torch.bfloat16),
+               torch.randint(0, 255, (7, 3), dtype=torch.uint8, generator=g),
+               inference, torch.randn(16, 16, generator=g)]
+    holder = {"t": tensors[1]}
+    before = [t.clone() for t in tensors]
+    old_ptrs = [t.data_ptr() for t in tensors]
+    moved = move_to_huge_pages(tensors)
+    assert moved == sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+    ptrs = [t.data_ptr() for t in tensors]
+    assert all(p != o for p, o in zip(ptrs, old_ptrs, strict=True))
+    assert all(p % ALIGN == 0 for p in ptrs)
+    assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < moved  # one mapping, in order
+    for t, b in zip(tensors, before, strict=True):
+        assert t.dtype == b.dtype and t.shape == b.shape and torch.equal(t, b)
+    assert holder["t"].data_ptr() == ptrs[1]
+    tensors[3].add_(1)  # the moved data is writable
+    assert torch.equal(tensors[3], before[3] + 1)
+
+
+@needs_huge_pages
+def test_skips_what_cannot_move() -> None:
+    base = torch.arange(64, dtype=torch.float32)
+    view = base[8:]                      # part of another tensor's storage
+    strided = torch.zeros(8, 8).t()      # not contiguous
+    kept = [base, view, strided]
+    ptrs = [t.data_ptr() for t in kept]
+    t = torch.ones(32)
+    assert move_to_huge_pages([*kept[1:], t, t]) == 128  # t once; the others not at all
+    assert [k.data_ptr() for k in kept] == ptrs
+    assert torch.equal(view, torch.arange(8, 64, dtype=torch.float32))
+    assert move_to_huge_pages([]) == 0
+
+
+@pytest.mark.parametrize("setting", ["always madvise [never]\n", ""])
+def test_nothing_moves_without_huge_pages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                          setting: str) -> None:
+    if setting:
+        _offered(monkeypatch, tmp_path, setting)
+    else:
+        monkeypatch.setattr(huge_pages, "THP_SETTING", tmp_path / "missing")
+    assert not huge_pages_offered()
+    t = torch.ones(1024)
+    ptr = t.data_ptr()
+    assert move_to_huge_pages([t]) == 0 and t.data_ptr() == ptr
+
+
+@needs_huge_pages
+def test_loaded_cpu_model_streams_from_one_mapping(llama_model) -> None:
+    _, model = load_model(llama_model.path, dtype=torch.float32, device=torch.device("cpu"))
+    ptrs = [t.data_ptr() for t in model.streamed_tensors() if not t.is_mkldnn]
+    assert ptrs, "the tiny model streams no plain tensors"
+    assert ptrs == sorted(ptrs), "not in the order a step reads them"
+    span = ptrs[-1] - ptrs[0]
+    assert span < 2 * sum(t.numel() * t.element_size() for t in model.streamed_tensors())
