@@ -63,6 +63,8 @@ def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
 
     NOTE: the mapping lives as long as any moved tensor does (each holds it through its
     storage); the old storages are freed as the moves go unless something else holds them.
+    Where no huge page is free when a page is first touched, Linux may compact memory to
+    make one or else hands out a 4 KiB page: the values are the same either way.
     """
     seen: set[int] = set()
     moving: list[Tensor] = []
