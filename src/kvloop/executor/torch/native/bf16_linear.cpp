@@ -40,7 +40,7 @@ using kvloop::kTile;
 // W tiles a pass: 2 from 2 rows on (2 weight loads feed 2 R products), 1 for one row.
 // NOTE: a one-row pass only streams its weights, and one tile a pass reads each thread's
 // tiles as one sequential run of memory instead of two runs a tile apart: on the 2-core
-// Zen 4 VM the default model's decode step at batch 1 took 0.78-0.93x the time with two
+// Zen 4 VM the default model's decode step at batch 1 took 0.79-0.93x the time with two
 // (docs/native-kernels.md, fourteenth round). From 2 rows on, the shared loads count more.
 template <int W_>
 struct Bf16Tiles {
