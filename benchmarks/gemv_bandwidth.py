@@ -5,7 +5,10 @@ product only streams its weights. This script builds the layer matrices of a mod
 config's shapes, random weights: the timing does not depend on the values), in each
 layout kvloop can use on CPU, and times one pass over all of them at M = 1 with the
 weights cold (every layer's own matrices, as in a real step, so nothing stays in cache),
-against the read bandwidth of a plain sum over 1 GiB with the same threads:
+against the read bandwidth of a plain sum over 1 GiB with the same threads. The weights
+and the sum's buffer sit on transparent huge pages where the OS offers them, as
+``load_model`` puts a model's weights (oneDNN's packed copies cannot move and stay on
+torch's allocations):
 
 - ``bf16 (kvloop's kernel)``: ``Bf16Linear`` (``native.bf16_linear``, ``vdpbf16ps``;
   kvloop's bfloat16 layout on CPUs with AVX-512 BF16);
@@ -16,8 +19,8 @@ against the read bandwidth of a plain sum over 1 GiB with the same threads:
 - ``f32 packed``: ``PackedLinear`` in float32 (oneDNN; kvloop's float32 layout elsewhere);
 - ``int8 per-channel``: ``aten._weight_int8pack_mm`` (weight-only int8, one scale per row);
 - ``int4 (kvloop's kernel)``: ``Int4Linear`` (``--quantization int4``) where kvloop's own
-  kernel runs (``native.q4_linear``; half a byte per weight plus a float32 scale and offset
-  per 32: 0.75 bytes per weight);
+  kernel runs (``native.q4_linear``; half a byte per weight plus a float16 scale and offset
+  per 32, as Q4_1 holds them: 0.625 bytes per weight);
 - ``int4 (torch's kernel)``: the same through ``_weight_int4pack_mm_for_cpu`` (a bfloat16
   scale and zero per 32: 0.625 bytes per weight), as where kvloop's kernel cannot run.
 
@@ -40,6 +43,7 @@ from decode_floor import read_bandwidth
 
 from kvloop.engine.model_source import resolve_model
 from kvloop.executor.torch import native
+from kvloop.executor.torch.huge_pages import move_to_huge_pages
 from kvloop.executor.torch.linear import (
     QUANT_GROUP,
     Bf16Linear,
@@ -89,6 +93,13 @@ def _torch_kernels_only() -> Iterator[None]:
         native.kernels = saved
 
 
+def _on_huge_pages(mats: list) -> list:
+    """``mats`` (linears), their tensors moved onto huge pages, as ``load_model`` moves a
+    model's."""
+    move_to_huge_pages([t for m in mats for t in m.tensors])
+    return mats
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -105,7 +116,8 @@ def main() -> int:
     """Name -> (one call per matrix, bytes read per weight)."""
     with torch.inference_mode():
         if native.bf16_supported():
-            bf16 = [Bf16Linear(w.to(torch.bfloat16), None) for ws in weights for w in ws]
+            bf16 = _on_huge_pages([Bf16Linear(w.to(torch.bfloat16), None)
+                                   for ws in weights for w in ws])
             layouts["bf16 (kvloop's kernel)"] = (
                 [lambda m=m: m(rows[m.in_features]) for m in bf16], 2.0)
         if packable(weights[0][0].to(torch.bfloat16)):
@@ -114,26 +126,29 @@ def main() -> int:
                                       2.0)
         rows32 = {k: r.float() for k, r in rows.items()}
         if native.kernels() is not None:
-            f32 = [F32Linear(w, None) for ws in weights for w in ws]
+            f32 = _on_huge_pages([F32Linear(w, None) for ws in weights for w in ws])
             layouts["f32 (kvloop's kernel)"] = (
                 [lambda m=m: m(rows32[m.in_features]) for m in f32], 4.0)
         packed32 = [PackedLinear(w, None) for ws in weights for w in ws]
         layouts["f32 packed"] = ([lambda m=m: m(rows32[m.in_features]) for m in packed32], 4.0)
-        int8 = []
+        int8_weights = []
         for ws in weights:
             for w in ws:
                 scale = w.abs().amax(1) / 127
-                q = (w / scale[:, None]).round().to(torch.int8)
-                s = scale.to(torch.bfloat16)
-                int8.append(lambda q=q, s=s:
-                            torch.ops.aten._weight_int8pack_mm(rows[q.shape[1]], q, s))
-        layouts["int8 per-channel"] = (int8, 1.0)
+                int8_weights += [(w / scale[:, None]).round().to(torch.int8),
+                                 scale.to(torch.bfloat16)]
+        move_to_huge_pages(int8_weights)
+        layouts["int8 per-channel"] = (
+            [lambda q=q, s=s: torch.ops.aten._weight_int8pack_mm(rows[q.shape[1]], q, s)
+             for q, s in zip(int8_weights[::2], int8_weights[1::2], strict=True)], 1.0)
         if native.kernels() is not None:
-            int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
+            int4 = _on_huge_pages([Int4Linear(w, None, torch.bfloat16)
+                                   for ws in weights for w in ws])
             layouts["int4 (kvloop's kernel)"] = (
-                [lambda m=m: m(rows[m.in_features]) for m in int4], 0.5 + 8 / QUANT_GROUP)
+                [lambda m=m: m(rows[m.in_features]) for m in int4], 0.5 + 4 / QUANT_GROUP)
         with _torch_kernels_only():
-            int4 = [Int4Linear(w, None, torch.bfloat16) for ws in weights for w in ws]
+            int4 = _on_huge_pages([Int4Linear(w, None, torch.bfloat16)
+                                   for ws in weights for w in ws])
         layouts["int4 (torch's kernel)"] = ([lambda m=m: m(rows[m.in_features]) for m in int4],
                                             0.5 + 4 / QUANT_GROUP)
     elements = sum(n * k for n, k in shapes) * cfg.num_layers
