@@ -1,12 +1,11 @@
 """CPU weights on transparent huge pages (Linux).
 
 A decode step at small batches streams every layer matrix once from memory. On 4 KiB pages
-that stream crosses a page, and misses the TLB, every 4 KiB, and the CPU's prefetchers stop
-at each page's end; 2 MiB pages remove nearly all of that. Linux hands them to an anonymous
-mapping advised ``MADV_HUGEPAGE`` where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-``madvise`` (the common default) or ``always``; torch's own allocator asks for them only
-under ``THP_MEM_ALLOC_ENABLE=1``, set before torch is imported, which a library cannot
-rely on.
+that stream misses the TLB every 4 KiB; on 2 MiB pages once every 2 MiB. Linux hands those
+to an anonymous mapping advised ``MADV_HUGEPAGE`` where
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (the common default) or
+``always``; torch's own allocator asks for them only under ``THP_MEM_ALLOC_ENABLE=1``, set
+before torch is imported, which a library cannot rely on.
 
 :func:`move_to_huge_pages` copies a model's packed weights into one such mapping, in the
 order a step reads them. Measured on a 2-core Zen 4 VM (``docs/native-kernels.md``,
