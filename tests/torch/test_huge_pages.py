@@ -88,3 +88,19 @@ def test_loaded_cpu_model_streams_from_one_mapping(llama_model, dtype: torch.dty
     assert ptrs[0] % HUGE_PAGE == 0, "the first layer's norm does not open the mapping"
     assert ptrs == sorted(ptrs), "not in the order a step reads them"
     assert ptrs[-1] - ptrs[0] < sum(-(-t.nbytes // ALIGN) * ALIGN for t in tensors)
+
+
+def test_a_refused_mapping_leaves_the_tensors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    _offered(monkeypatch, tmp_path, "always [madvise] never\n")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    t = torch.arange(1024, dtype=torch.float32)
+    ptr = t.data_ptr()
+    with caplog.at_level("WARNING", logger=huge_pages.__name__):
+        assert move_to_huge_pages([t]) == 0
+    assert t.data_ptr() == ptr and torch.equal(t, torch.arange(1024, dtype=torch.float32))
+    assert "Cannot allocate memory" in caplog.text

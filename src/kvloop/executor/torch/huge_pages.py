@@ -15,6 +15,7 @@ fourteenth round): the default model's int4 decode step at batch 1 took 0.92x it
 
 from __future__ import annotations
 
+import logging
 import mmap
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 """Bytes of one transparent huge page on x86-64 (and the mapping's alignment)."""
@@ -58,7 +61,7 @@ def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
     ``Tensor.set_``: every holder of those tensor objects sees the moved data, values
     unchanged. Tensors that are not :func:`_movable`, and repeats of one object, stay where
     they are. Returns the bytes moved: 0 where the OS offers no huge pages
-    (:func:`huge_pages_offered`) or nothing is movable.
+    (:func:`huge_pages_offered`), refuses the mapping (logged) or nothing is movable.
 
     NOTE: the mapping lives as long as any moved tensor does (each holds it through its
     storage); the old storages are freed as the moves go unless something else holds them.
@@ -77,8 +80,13 @@ def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
     # NOTE: private, not shared: Linux gives shared anonymous memory huge pages only under
     # its separate shmem setting (usually never). Advised before any page is touched, so
     # that the copies below fault in huge pages.
-    area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE,
+                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:  # NOTE: e.g. an address-space limit: the weights stay as they are
+        logger.warning("weights stay on 4 KiB pages: %s", exc)
+        return 0
     raw = torch.frombuffer(area, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     for t, size in zip(moving, sizes, strict=True):
