@@ -37,6 +37,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from decode_floor import read_bandwidth
@@ -82,6 +83,9 @@ def pass_ms(calls: list[Callable[[], object]], repeats: int) -> float:
     return statistics.median(_timed(one) for _ in range(repeats)) * 1e3
 
 
+L = TypeVar("L", Bf16Linear, F32Linear, Int4Linear)
+
+
 @contextlib.contextmanager
 def _torch_kernels_only() -> Iterator[None]:
     """Layers built inside take torch's kernels, as where kvloop's own cannot run."""
@@ -93,7 +97,7 @@ def _torch_kernels_only() -> Iterator[None]:
         native.kernels = saved
 
 
-def _on_huge_pages(mats: list) -> list:
+def _on_huge_pages(mats: list[L]) -> list[L]:
     """``mats`` (linears), their tensors moved onto huge pages, as ``load_model`` moves a
     model's."""
     move_to_huge_pages([t for m in mats for t in m.tensors])

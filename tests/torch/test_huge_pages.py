@@ -3,6 +3,7 @@ cannot move, and move nothing where the OS offers no huge pages."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 from kvloop.executor.torch import huge_pages  # noqa: E402
 from kvloop.executor.torch.huge_pages import (  # noqa: E402
     ALIGN,
-    HUGE_PAGE,
+    huge_page_bytes,
     huge_pages_offered,
     move_to_huge_pages,
 )
@@ -23,9 +24,22 @@ needs_huge_pages = pytest.mark.skipif(not huge_pages_offered(),
 
 
 def _offered(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, setting: str) -> None:
-    path = tmp_path / "enabled"
-    path.write_text(setting)
-    monkeypatch.setattr(huge_pages, "THP_SETTING", path)
+    (tmp_path / "enabled").write_text(setting)
+    monkeypatch.setattr(huge_pages, "THP_DIR", tmp_path)
+
+
+def _advised(address: int) -> bool:
+    """Whether the mapping holding ``address`` is advised MADV_HUGEPAGE (its VmFlags in
+    /proc/self/smaps list ``hg``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    return False
 
 
 @needs_huge_pages
@@ -36,7 +50,6 @@ def test_moves_values_in_order_and_holders_see_them() -> None:
     tensors = [torch.randn(1000, generator=g).to(torch.bfloat16),
                torch.randint(0, 255, (7, 3), dtype=torch.uint8, generator=g),
                inference, torch.randn(16, 16, generator=g)]
-    holder = {"t": tensors[1]}
     before = [t.clone() for t in tensors]
     old_ptrs = [t.data_ptr() for t in tensors]
     moved = move_to_huge_pages(tensors)
@@ -47,7 +60,7 @@ def test_moves_values_in_order_and_holders_see_them() -> None:
     assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < moved  # one mapping, in order
     for t, b in zip(tensors, before, strict=True):
         assert t.dtype == b.dtype and t.shape == b.shape and torch.equal(t, b)
-    assert holder["t"].data_ptr() == ptrs[1]
+    assert all(_advised(p) for p in ptrs) and not _advised(before[0].data_ptr())
     tensors[3].add_(1)  # the moved data is writable
     assert torch.equal(tensors[3], before[3] + 1)
 
@@ -72,7 +85,7 @@ def test_nothing_moves_without_huge_pages(monkeypatch: pytest.MonkeyPatch, tmp_p
     if setting:
         _offered(monkeypatch, tmp_path, setting)
     else:
-        monkeypatch.setattr(huge_pages, "THP_SETTING", tmp_path / "missing")
+        monkeypatch.setattr(huge_pages, "THP_DIR", tmp_path / "missing")
     assert not huge_pages_offered()
     t = torch.ones(1024)
     ptr = t.data_ptr()
@@ -85,14 +98,15 @@ def test_loaded_cpu_model_streams_from_one_mapping(llama_model, dtype: torch.dty
     _, model = load_model(llama_model.path, dtype=dtype, device=torch.device("cpu"))
     tensors = [t for t in model.streamed_tensors() if not t.is_mkldnn]
     ptrs = [t.data_ptr() for t in tensors]
-    assert ptrs[0] % HUGE_PAGE == 0, "the first layer's norm does not open the mapping"
+    assert ptrs[0] % huge_page_bytes() == 0, "the first layer's norm does not open the mapping"
     assert ptrs == sorted(ptrs), "not in the order a step reads them"
     assert ptrs[-1] - ptrs[0] < sum(-(-t.nbytes // ALIGN) * ALIGN for t in tensors)
 
 
-def test_a_refused_mapping_leaves_the_tensors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+@pytest.mark.skipif(not hasattr(mmap, "MAP_PRIVATE"), reason="no POSIX mmap flags here")
+def test_a_refused_mapping_leaves_the_tensors(monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    _offered(monkeypatch, tmp_path, "always [madvise] never\n")
+    monkeypatch.setattr(huge_pages, "huge_pages_offered", lambda: True)
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise OSError(12, "Cannot allocate memory")
@@ -104,3 +118,22 @@ def test_a_refused_mapping_leaves_the_tensors(monkeypatch: pytest.MonkeyPatch, t
         assert move_to_huge_pages([t]) == 0
     assert t.data_ptr() == ptr and torch.equal(t, torch.arange(1024, dtype=torch.float32))
     assert "Cannot allocate memory" in caplog.text
+
+
+@needs_huge_pages
+def test_tensors_over_one_storage_move_together() -> None:
+    w = torch.arange(256, dtype=torch.float32)
+    flat = w.view(16, 16)  # another object over the whole of w's storage
+    param = torch.nn.Parameter(torch.ones(64))  # a leaf that requires grad
+    assert move_to_huge_pages([w, flat, param]) == 1024 + 256  # w's bytes once
+    assert w.data_ptr() == flat.data_ptr() and param.data_ptr() == w.data_ptr() + 1024
+    flat[0, 0] = -1.0
+    assert w[0] == -1.0, "the two objects no longer share their data"
+    assert param.requires_grad and torch.equal(param.detach(), torch.ones(64))
+
+
+def test_huge_page_size_comes_from_linux(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(huge_pages, "THP_DIR", tmp_path)
+    assert huge_page_bytes() == huge_pages.DEFAULT_HUGE_PAGE  # nothing said: x86-64's
+    (tmp_path / "hpage_pmd_size").write_text("536870912\n")  # an arm64 kernel with 64K pages
+    assert huge_page_bytes() == 512 << 20

@@ -26,13 +26,13 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20
-"""Bytes of one transparent huge page on x86-64 (and the mapping's alignment)."""
+DEFAULT_HUGE_PAGE = 2 << 20
+"""Bytes of one transparent huge page where Linux does not say (x86-64's)."""
 ALIGN = 64
 """Alignment of each tensor in the mapping: a cache line, as torch's allocator gives."""
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-"""Where Linux says whether it hands out transparent huge pages: ``always``, ``madvise`` or
-``never``, the chosen one in brackets."""
+THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
+"""Where Linux says whether it hands out transparent huge pages (``enabled``: ``always``,
+``madvise`` or ``never``, the chosen one in brackets) and their size (``hpage_pmd_size``)."""
 
 
 def huge_pages_offered() -> bool:
@@ -41,9 +41,18 @@ def huge_pages_offered() -> bool:
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
-        return "[never]" not in THP_SETTING.read_text()
+        return "[never]" not in (THP_DIR / "enabled").read_text()
     except OSError:
         return False
+
+
+def huge_page_bytes() -> int:
+    """Bytes of one transparent huge page here (2 MiB on x86-64; more on some arm64
+    kernels), the alignment of the mapping."""
+    try:
+        return int((THP_DIR / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_HUGE_PAGE
 
 
 def _movable(t: Tensor) -> bool:
@@ -59,42 +68,51 @@ def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
     """Moves the data of ``tensors`` into one private anonymous mapping advised
     ``MADV_HUGEPAGE``, back to back in the order given (each :data:`ALIGN`-aligned), with
     ``Tensor.set_``: every holder of those tensor objects sees the moved data, values
-    unchanged. Tensors that are not :func:`_movable`, and repeats of one object, stay where
-    they are. Returns the bytes moved: 0 where the OS offers no huge pages
-    (:func:`huge_pages_offered`), refuses the mapping (logged) or nothing is movable.
+    unchanged. Tensors that are not :func:`_movable` stay where they are; tensors over one
+    storage move together (one copy). Returns the bytes moved: 0 where the OS offers no
+    huge pages (:func:`huge_pages_offered`), refuses the mapping (logged) or nothing is
+    movable.
 
     NOTE: the mapping lives as long as any moved tensor does (each holds it through its
     storage); the old storages are freed as the moves go unless something else holds them.
     Where no huge page is free when a page is first touched, Linux may compact memory to
-    make one or else hands out a 4 KiB page: the values are the same either way.
+    make one or else hands out a base page: the values are the same either way.
     """
-    seen: set[int] = set()
-    moving: list[Tensor] = []
+    offsets: dict[int, int] = {}  # storage address -> its copy's offset in the mapping
+    moving: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, its storage's address)
+    total = 0
     for t in tensors:
-        if id(t) not in seen and _movable(t):
-            seen.add(id(t))
-            moving.append(t)
-    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in moving]
+        if id(t) in moving or not _movable(t):
+            continue
+        key = t.untyped_storage().data_ptr()
+        moving[id(t)] = (t, key)
+        if key not in offsets:
+            offsets[key] = total
+            total += -(-t.untyped_storage().nbytes() // ALIGN) * ALIGN
     if not moving or not huge_pages_offered():
         return 0
+    page = huge_page_bytes()
     # NOTE: private, not shared: Linux gives shared anonymous memory huge pages only under
     # its separate shmem setting (usually never). Advised before any page is touched, so
     # that the copies below fault in huge pages.
     try:
-        area = mmap.mmap(-1, sum(sizes) + HUGE_PAGE,
-                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area = mmap.mmap(-1, total + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         area.madvise(mmap.MADV_HUGEPAGE)
     except OSError as exc:  # NOTE: e.g. an address-space limit: the weights stay as they are
-        logger.warning("weights stay on 4 KiB pages: %s", exc)
+        logger.warning("weights stay on the OS's base pages: %s", exc)
         return 0
     raw = torch.frombuffer(area, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    for t, size in zip(moving, sizes, strict=True):
-        nbytes = t.numel() * t.element_size()
-        view = raw[offset:offset + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        # NOTE: a tensor made under inference mode is only changed in place under it.
-        with torch.inference_mode(t.is_inference()):
+    start = -raw.data_ptr() % page
+    copied: set[int] = set()
+    for t, key in moving.values():
+        at = start + offsets[key]
+        view = raw[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        if key not in copied:
+            view.copy_(t)
+            copied.add(key)
+        # NOTE: a tensor made under inference mode is only changed in place under it, and a
+        # leaf that requires grad only under no_grad (inner: inference_mode(False) turns
+        # grad mode back on).
+        with torch.inference_mode(t.is_inference()), torch.no_grad():
             t.set_(view)
-        offset += size
-    return sum(sizes)
+    return total
