@@ -61,7 +61,7 @@ def _movable(t: Tensor) -> bool:
     it)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
             and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+            and t.untyped_storage().nbytes() == t.nbytes)
 
 
 def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
@@ -79,16 +79,18 @@ def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
     make one or else hands out a base page: the values are the same either way.
     """
     offsets: dict[int, int] = {}  # storage address -> its copy's offset in the mapping
-    moving: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, its storage's address)
+    # id -> (tensor, its copy's offset, whether it is the first over its storage)
+    moving: dict[int, tuple[Tensor, int, bool]] = {}
     total = 0
     for t in tensors:
         if id(t) in moving or not _movable(t):
             continue
         key = t.untyped_storage().data_ptr()
-        moving[id(t)] = (t, key)
-        if key not in offsets:
+        first = key not in offsets
+        if first:
             offsets[key] = total
-            total += -(-t.untyped_storage().nbytes() // ALIGN) * ALIGN
+            total += -(-t.nbytes // ALIGN) * ALIGN
+        moving[id(t)] = (t, offsets[key], first)
     if not moving or not huge_pages_offered():
         return 0
     page = huge_page_bytes()
@@ -103,13 +105,11 @@ def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
         return 0
     raw = torch.frombuffer(area, dtype=torch.uint8)
     start = -raw.data_ptr() % page
-    copied: set[int] = set()
-    for t, key in moving.values():
-        at = start + offsets[key]
-        view = raw[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        if key not in copied:
+    for t, offset, first in moving.values():
+        at = start + offset
+        view = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        if first:
             view.copy_(t)
-            copied.add(key)
         # NOTE: a tensor made under inference mode is only changed in place under it, and a
         # leaf that requires grad only under no_grad (inner: inference_mode(False) turns
         # grad mode back on).

@@ -141,6 +141,5 @@ def load_model(
         model = cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
-    if device.type == "cpu":
-        move_to_huge_pages(model.streamed_tensors())
+    move_to_huge_pages(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
     return config, model
