@@ -75,6 +75,32 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert torch.equal(row, recorder.logits[key]), key
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_its_team_of_threads_gives_the_same_bits(shaped: object, threads: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one call's kernels share out their work through a team (``team.h``) kept for the
+    step: one thread (no team) and more threads than this machine's CPUs (uneven shares,
+    threads that lose their core while the others spin) give the Python loop's bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = make_runner(shaped, dtype="bfloat16", quantization="int4", block_size=16)
+        model = runner.model
+        counting = Counting(model.decode_layers)
+        model.decode_layers = counting
+        recorder = LogitRecorder(runner, monkeypatch)
+        prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61]]
+        reqs, _ = drive(runner, prompts, 6)
+        one_call = recorder.force(reqs)
+        model.decode_layers = None
+        drive(runner, prompts, 6)
+        assert counting.tokens and one_call.keys() == recorder.logits.keys()
+        for key, row in one_call.items():
+            assert torch.equal(row, recorder.logits[key]), key
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("f32_kernel", [True, False], ids=["f32_linear", "onednn"])
 def test_float32_through_the_stack_keeps_transformers_greedy_tokens(
         shaped: object, f32_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,3 +168,4 @@ def test_decode_layers_refuses_bad_calls() -> None:
                             ({"block_table": torch.tensor([[9]])}, "out of range")]:
         with pytest.raises(RuntimeError, match=message):
             stack.run(**{**args, **change})
+        stack.run(**args)  # NOTE: a refusal inside the step's team leaves no thread behind

@@ -37,9 +37,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <ATen/Parallel.h>
-
 #include "simd.h"
+#include "team.h"
 #else
 #define KVLOOP_AMX 0
 #endif
@@ -213,7 +212,7 @@ void amx_gemm(const Weights& weights, const uint16_t* x, const float* bias, T* o
     x = padded.data();
   }
   const int64_t tiles_n = N / kBlock, pairs = (tiles_n + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     // NOTE: the tile configuration and state are per thread: loaded here, released below.
     const TileConfig cfg;
     load_config(cfg);

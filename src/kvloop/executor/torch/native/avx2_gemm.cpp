@@ -14,7 +14,6 @@
 //   q8: weights -127..127 are signed, so (llama.cpp's trick) |w| is the unsigned operand and
 //       the activation takes w's sign (vpsignb): a pair sums to at most 2 * 127 * 127 = 32258,
 //       each chunk widened at once.
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,6 +26,7 @@
 #include "gemm_checks.h"
 #include "kernels.h"
 #include "simd.h"
+#include "team.h"
 
 namespace {
 
@@ -347,7 +347,7 @@ template <typename T, typename Tiles>
 void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64_t N,
                  bool accumulate) {
   const int64_t tiles_n = N / kTile;
-  at::parallel_for(0, tiles_n, 4, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, tiles_n, 4, [&](int64_t begin, int64_t end) {
     constexpr int RM = Tiles::kRows;
     __m256 acc[2 * RM];
     for (int64_t t = begin; t < end; ++t) {

@@ -21,8 +21,6 @@
 // Queries, keys, values and outputs all go through simd.h's *_unordered loads and stores:
 // every sum is lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8
 // values instead of a widening load and a shift; the kernel 4-16 % faster on Zen 1).
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -32,6 +30,7 @@
 #include "attention_dispatch.h"
 #include "kernels.h"
 #include "simd.h"
+#include "team.h"
 
 namespace {
 
@@ -253,7 +252,7 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   const int64_t G = H / KV;
   const int64_t row = KV * D;  // elements per cache slot
   const T* v_base = cache + num_blocks * block_size * row;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = kvloop::num_threads();
   // NOTE: whole sequences per task when there are enough of them (each slot's KV heads read
   // together: one contiguous run of the cache); with fewer than kTasksPerThread a thread, long
   // contexts split into parts of at least kMinPart slots, merged afterwards; and if that still
@@ -286,7 +285,7 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   const auto n_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, n_tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  kvloop::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads_per_task * G * D);
     std::vector<float> sc(heads_per_task * G * (max_len + 16));
     std::vector<int64_t> offs(max_len);

@@ -8,6 +8,7 @@
 
 #include "gemm_checks.h"
 #include "kernels.h"
+#include "team.h"
 
 namespace {
 
@@ -78,20 +79,24 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   at::Tensor gate_up = x.new_empty({T, 2 * intermediate_});
   at::Tensor act = x.new_empty({T, intermediate_});
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_dim_});
-  for (int64_t l = 0; l < layers; ++l) {
-    const Matrix* m = &mats_[4 * l];
-    at::Tensor cache = caches[l];
-    traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l], eps, h); });
-    linear(m[0], h, qkv, false);
-    traced("kvloop::rope_write_kv", [&] {
-      rope_write_kv(qkv, cos, sin, cache, slots, num_heads_, num_kv_heads_);
-    });
-    traced("kvloop::decode_attention",
-           [&] { decode_attention(q, cache, block_table, context_lens, scale, attn); });
-    linear(m[1], attn, x, true);
-    traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l + 1], eps, h); });
-    linear(m[2], h, gate_up, false);
-    traced("kvloop::silu_mul", [&] { silu_mul(gate_up, act); });
-    linear(m[3], act, x, true);
-  }
+  // NOTE: one team of threads for the whole step (team.h): each kernel's parallel part is a
+  // handshake with threads already running, not an OpenMP fork and join.
+  kvloop::Team::run([&] {
+    for (int64_t l = 0; l < layers; ++l) {
+      const Matrix* m = &mats_[4 * l];
+      at::Tensor cache = caches[l];
+      traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l], eps, h); });
+      linear(m[0], h, qkv, false);
+      traced("kvloop::rope_write_kv", [&] {
+        rope_write_kv(qkv, cos, sin, cache, slots, num_heads_, num_kv_heads_);
+      });
+      traced("kvloop::decode_attention",
+             [&] { decode_attention(q, cache, block_table, context_lens, scale, attn); });
+      linear(m[1], attn, x, true);
+      traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l + 1], eps, h); });
+      linear(m[2], h, gate_up, false);
+      traced("kvloop::silu_mul", [&] { silu_mul(gate_up, act); });
+      linear(m[3], act, x, true);
+    }
+  });
 }

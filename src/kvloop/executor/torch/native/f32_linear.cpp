@@ -9,13 +9,12 @@
 // NOTE: every product and sum is float32 FMA; only the order of the sums differs from
 // oneDNN's (independent partial sums over k, added at the end), so results agree with
 // torch's to float32 rounding, not to the bit.
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 
 #include "f32_tile.h"
 #include "gemm_checks.h"
 #include "kernels.h"
+#include "team.h"
 
 using kvloop::kF32Rows;
 using kvloop::kTile;
@@ -29,7 +28,7 @@ void f32_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
     V16 acc[kF32Rows];
     for (int64_t t = begin; t < end; ++t) {
       const float* w = wp + t * K * kTile;

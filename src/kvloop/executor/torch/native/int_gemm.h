@@ -2,8 +2,6 @@
 // (llama.cpp's Q8_1), and the loop over 16-output tiles that stores their results.
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +12,7 @@
 
 #include "gemm_checks.h"
 #include "simd.h"
+#include "team.h"
 
 namespace kvloop {
 
@@ -81,7 +80,7 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
   constexpr int W = Tiles::kWidth, RM = Tiles::kRows;
   const int64_t tiles_n = N / kTile;
   // NOTE: a grain of 4 tiles (64 outputs) still splits the smallest matrices over threads.
-  at::parallel_for(0, (tiles_n + W - 1) / W, 4 / W, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, (tiles_n + W - 1) / W, 4 / W, [&](int64_t begin, int64_t end) {
     __m512 acc[RM * W];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i * W;

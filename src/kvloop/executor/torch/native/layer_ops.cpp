@@ -5,12 +5,11 @@
 // rope_write_kv: q, k heads of qkv rotated in place, x * cos + rotate_half(x) * sin, then k and
 //                v stored at their cache slots (attention.write_kv)
 // silu_mul:      out = silu(gate) * up, gate and up the halves of one [T, 2I] product
-#include <ATen/Parallel.h>
-
 #include <cmath>
 
 #include "kernels.h"
 #include "simd.h"
+#include "team.h"
 
 namespace {
 
@@ -32,7 +31,7 @@ template <typename T>
 // NOTE: out may be x (in place): a row's sum of squares is taken before any of it is written,
 // and each element is read before its own output is stored.
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, float eps) {
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * H;
       V16 ss = vzero();
@@ -54,7 +53,7 @@ template <typename T>
 void rope_write(T* qkv, const T* cos, const T* sin, T* cache, const int64_t* slots, int64_t rows,
                 int64_t heads, int64_t kv, int64_t D, int64_t slots_per_half) {
   const int64_t half = D / 2, width = (heads + 2 * kv) * D;
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = qkv + r * width;
       const T* c = cos + r * D;
@@ -81,7 +80,7 @@ void rope_write(T* qkv, const T* cos, const T* sin, T* cache, const int64_t* slo
 
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * 2 * I;
       for (int64_t i = 0; i < I; i += 16) {

@@ -1,0 +1,161 @@
+// A team: the threads of one OpenMP region kept for a whole decode step, so that each of the
+// step's ~150 parallel kernels costs a spin handshake instead of a fork and a join.
+//
+// Team::run(lead) runs lead() on the calling thread while the region's other threads wait,
+// spinning, for work; kvloop::parallel_for called from lead() hands each of them its share of
+// the range and returns once every share is done (outside a team it is at::parallel_for).
+// NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md, fifteenth round): an empty
+// at::parallel_for cost 1.7-2.0 µs back to back, ~0.26 ms of a 4.2 ms one-row 4-bit step
+// (120 products, 30 attentions, the LM head).
+// NOTE: the shares are at::parallel_for's (the same chunks to the same thread numbers), so a
+// kernel computes the same bits in a team or not.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+
+namespace kvloop {
+
+class Team {
+ public:
+  // Runs lead() on this thread with the other threads of an OpenMP region of
+  // at::get_num_threads() serving its parallel_for calls; rethrows what lead() throws.
+  template <typename Lead>
+  static void run(Lead&& lead);
+
+  // The team this thread leads, or null.
+  static Team* current() { return led_; }
+
+  int64_t size() const { return size_; }
+
+  // fn(begin, end) over [begin, end) in the shares of at::parallel_for(begin, end, grain):
+  // share 0 on this (the leading) thread, the others on the waiting ones.
+  template <typename Fn>
+  void split(int64_t begin, int64_t end, int64_t grain, const Fn& fn);
+
+ private:
+  struct Job {
+    void (*call)(const void* fn, int64_t begin, int64_t end) = nullptr;
+    const void* fn = nullptr;
+    int64_t begin = 0, end = 0, chunk = 0, shares = 0;
+  };
+
+  // Spins until ``flag`` differs from ``seen`` (yielding the CPU after a while, so a thread
+  // that lost its core to another process gets it back).
+  template <typename T>
+  static T wait_change(const std::atomic<T>& flag, T seen) {
+    for (int64_t spins = 0;; ++spins) {
+      const T now = flag.load(std::memory_order_acquire);
+      if (now != seen) return now;
+      if (spins < (1 << 16)) {
+        _mm_pause();
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+  void run_share(int64_t share) const {
+    const int64_t b = job_.begin + share * job_.chunk;
+    if (share < job_.shares && b < job_.end)
+      job_.call(job_.fn, b, std::min(job_.end, b + job_.chunk));
+  }
+
+  void serve(int64_t tid) {
+    uint64_t seen = 0;
+    for (;;) {
+      seen = wait_change(generation_, seen);
+      if (quit_) return;
+      run_share(tid);
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  static inline thread_local Team* led_ = nullptr;
+
+  int64_t size_ = 1;
+  Job job_;
+  bool quit_ = false;
+  alignas(64) std::atomic<uint64_t> generation_{0};  // bumped once a job (or quit_) is set
+  alignas(64) std::atomic<int64_t> done_{0};         // shares finished by the waiting threads
+};
+
+template <typename Lead>
+void Team::run(Lead&& lead) {
+  const int threads = at::get_num_threads();
+  if (threads <= 1 || omp_in_parallel()) {
+    lead();
+    return;
+  }
+  Team team;
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num();
+    if (tid == 0) {
+      // NOTE: every thread of the region has started its body by the time the first job
+      // is read (each reads generation_ only after it has started), and the size is the
+      // region's real one (OpenMP may give fewer threads than asked).
+      team.size_ = omp_get_num_threads();
+      led_ = &team;
+      try {
+        lead();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      led_ = nullptr;
+      team.quit_ = true;
+      team.generation_.fetch_add(1, std::memory_order_release);
+    } else {
+      team.serve(tid);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+template <typename Fn>
+void Team::split(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  if (begin >= end) return;
+  // NOTE: at::parallel_for's shares: as many threads as grains (at most the team), each a
+  // run of ceil(range / threads).
+  const int64_t range = end - begin;
+  const int64_t per = std::max<int64_t>(grain, 1);
+  const int64_t shares = std::min<int64_t>(size_, (range + per - 1) / per);
+  if (shares <= 1) {
+    fn(begin, end);
+    return;
+  }
+  job_ = Job{[](const void* f, int64_t b, int64_t e) { (*static_cast<const Fn*>(f))(b, e); },
+             &fn, begin, end, (range + shares - 1) / shares, shares};
+  const int64_t target = done_.load(std::memory_order_relaxed) + (size_ - 1);
+  generation_.fetch_add(1, std::memory_order_release);
+  run_share(0);
+  for (int64_t seen = done_.load(std::memory_order_acquire); seen != target;)
+    seen = wait_change(done_, seen);
+}
+
+// at::parallel_for, or inside a team (Team::run) its handshake: the kernels' one entry to
+// threads.
+template <typename Fn>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  if (Team* team = Team::current()) {
+    team->split(begin, end, grain, fn);
+  } else {
+    at::parallel_for(begin, end, grain, fn);
+  }
+}
+
+// at::get_num_threads(), or the size of the team this thread leads.
+inline int64_t num_threads() {
+  const Team* team = Team::current();
+  return team != nullptr ? team->size() : at::get_num_threads();
+}
+
+}  // namespace kvloop
