@@ -6,6 +6,8 @@ are refused with a RuntimeError."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -77,12 +79,14 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert torch.equal(row, recorder.logits[key]), key
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_its_team_of_threads_gives_the_same_bits(shaped: object, threads: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The one call's kernels share out their work through a team (``team.h``) kept for the
-    step: one thread (no team) and more threads than this machine's CPUs (uneven shares,
-    threads that lose their core while the others spin) give the Python loop's bits."""
+    call, which gives the Python loop's bits; no team at one thread, nor where the threads
+    outnumber the CPUs this process may use (spinning threads would hold the CPUs)."""
+    usable = len(os.sched_getaffinity(0))
+    expected = threads if 1 < threads <= usable else 1
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -97,6 +101,7 @@ def test_its_team_of_threads_gives_the_same_bits(shaped: object, threads: int,
         model.decode_layers = None
         drive(runner, prompts, 6)
         assert counting.tokens and one_call.keys() == recorder.logits.keys()
+        assert counting.stack.threads == expected  # type: ignore[attr-defined]
         for key, row in one_call.items():
             assert torch.equal(row, recorder.logits[key]), key
     finally:
@@ -185,3 +190,11 @@ def test_decode_layers_refuses_bad_calls() -> None:
     with pytest.raises(RuntimeError, match="q8_linear"):  # the kernel checks its operands
         stack.run(**args, logits=logits)
     stack.run(**args)
+    # NOTE: no team left behind by the refusals: a kernel called alone on 64 rows (4 grains of
+    # 16) forks and joins, giving what it gives row by row (one thread each).
+    rows, weight = torch.randn(64, 64).to(BF16), torch.rand(64).to(BF16)
+    out, by_row = torch.empty_like(rows), torch.empty_like(rows)
+    KERNELS.rms_norm(rows, weight, 1e-5, out)
+    for r in range(64):
+        KERNELS.rms_norm(rows[r:r + 1], weight, 1e-5, by_row[r:r + 1])
+    assert torch.equal(out, by_row)

@@ -252,7 +252,9 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   const int64_t G = H / KV;
   const int64_t row = KV * D;  // elements per cache slot
   const T* v_base = cache + num_blocks * block_size * row;
-  const int64_t threads = kvloop::num_threads();
+  // NOTE: torch's thread count, in a team or not (a team may have fewer): the same plan, so
+  // the same bits, as the Python loop's call.
+  const int64_t threads = at::get_num_threads();
   // NOTE: whole sequences per task when there are enough of them (each slot's KV heads read
   // together: one contiguous run of the cache); with fewer than kTasksPerThread a thread, long
   // contexts split into parts of at least kMinPart slots, merged afterwards; and if that still

@@ -102,7 +102,7 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_dim_});
   // NOTE: one team of threads for the whole step (team.h): each kernel's parallel part is a
   // handshake with threads already running, not an OpenMP fork and join.
-  kvloop::Team::run([&] {
+  const int64_t threads = kvloop::Team::run([&] {
     for (int64_t l = 0; l < layers; ++l) {
       const Matrix* m = &mats_[4 * l];
       at::Tensor cache = caches[l];
@@ -125,4 +125,5 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       linear(*head_, x, out, false);
     }
   });
+  threads_.store(threads, std::memory_order_relaxed);
 }

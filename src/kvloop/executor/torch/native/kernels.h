@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <optional>
 #include <vector>
 
@@ -94,6 +95,9 @@ class DecodeLayers {
            const at::Tensor& block_table, const at::Tensor& context_lens, double eps,
            double scale, const std::optional<at::Tensor>& logits) const;
 
+  // The threads that ran the last call: its team's size (team.h), 1 without a team.
+  int64_t threads() const { return threads_.load(std::memory_order_relaxed); }
+
   // The model's final norm and its LM head (kind kBf16, kF32 or kQ8, its tensors as a
   // layer matrix's), for run's ``logits``.
   void set_head(at::Tensor norm, int64_t kind, std::vector<at::Tensor> weights,
@@ -114,5 +118,6 @@ class DecodeLayers {
   std::vector<Matrix> mats_;
   std::optional<Matrix> head_;
   at::Tensor final_norm_;
+  mutable std::atomic<int64_t> threads_{0};
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_;
 };

@@ -46,6 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),
            py::arg("block_table"), py::arg("context_lens"), py::arg("eps"), py::arg("scale"),
            py::arg("logits") = py::none())
+      .def_property_readonly("threads", &DecodeLayers::threads,
+                             "the threads that ran the last call (1: no team)")
       .def("set_head", &DecodeLayers::set_head, "the final norm and the LM head, for run",
            py::arg("norm"), py::arg("kind"), py::arg("weights"), py::arg("bias"))
       .def_readonly_static("BF16", &DecodeLayers::kBf16)

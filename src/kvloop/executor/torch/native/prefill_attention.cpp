@@ -228,7 +228,7 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   const int64_t max_rows = (tokens_per_task * G + kRowAlign - 1) / kRowAlign * kRowAlign;
   std::atomic<int64_t> next{0};
   const auto n_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t workers = std::min<int64_t>(kvloop::num_threads(), n_tasks);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_tasks);
   kvloop::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w(max_rows, D);
     for (int64_t k = next++; k < n_tasks; k = next++) {

@@ -9,6 +9,9 @@
 // (120 products, 30 attentions, the LM head).
 // NOTE: the shares are at::parallel_for's (the same chunks to the same thread numbers), so a
 // kernel computes the same bits in a team or not.
+// NOTE: no team where the threads outnumber the CPUs this process may run on: a spinning
+// thread would then hold the CPU a thread with work needs (a step 20-40x slower at 3 and 4
+// threads on 2 CPUs in review); the kernels then fork and join as before.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -20,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <mutex>
 
 namespace kvloop {
 
@@ -27,13 +31,12 @@ class Team {
  public:
   // Runs lead() on this thread with the other threads of an OpenMP region of
   // at::get_num_threads() serving its parallel_for calls; rethrows what lead() throws.
+  // Returns the team's size (1: no team, lead() alone on this thread).
   template <typename Lead>
-  static void run(Lead&& lead);
+  static int64_t run(Lead&& lead);
 
   // The team this thread leads, or null.
   static Team* current() { return led_; }
-
-  int64_t size() const { return size_; }
 
   // fn(begin, end) over [begin, end) in the shares of at::parallel_for(begin, end, grain):
   // share 0 on this (the leading) thread, the others on the waiting ones.
@@ -68,14 +71,31 @@ class Team {
       job_.call(job_.fn, b, std::min(job_.end, b + job_.chunk));
   }
 
+  // run_share, an exception kept for the lead (the first one) instead of leaving the thread.
+  void run_share_caught(int64_t share) {
+    try {
+      run_share(share);
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+
   void serve(int64_t tid) {
     uint64_t seen = 0;
     for (;;) {
       seen = wait_change(generation_, seen);
       if (quit_) return;
-      run_share(tid);
+      run_share_caught(tid);
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
+  }
+
+  // The CPUs this process may run on (its affinity mask), at least 1.
+  static int64_t usable_cpus() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+    return std::max(1, CPU_COUNT(&set));
   }
 
   static inline thread_local Team* led_ = nullptr;
@@ -83,16 +103,18 @@ class Team {
   int64_t size_ = 1;
   Job job_;
   bool quit_ = false;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;  // a share's exception, rethrown by split on the lead
   alignas(64) std::atomic<uint64_t> generation_{0};  // bumped once a job (or quit_) is set
   alignas(64) std::atomic<int64_t> done_{0};         // shares finished by the waiting threads
 };
 
 template <typename Lead>
-void Team::run(Lead&& lead) {
+int64_t Team::run(Lead&& lead) {
   const int threads = at::get_num_threads();
-  if (threads <= 1 || omp_in_parallel()) {
+  if (threads <= 1 || omp_in_parallel() || threads > usable_cpus()) {
     lead();
-    return;
+    return 1;
   }
   Team team;
   std::exception_ptr error;
@@ -118,6 +140,7 @@ void Team::run(Lead&& lead) {
     }
   }
   if (error) std::rethrow_exception(error);
+  return team.size_;
 }
 
 template <typename Fn>
@@ -136,9 +159,19 @@ void Team::split(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
              &fn, begin, end, (range + shares - 1) / shares, shares};
   const int64_t target = done_.load(std::memory_order_relaxed) + (size_ - 1);
   generation_.fetch_add(1, std::memory_order_release);
-  run_share(0);
+  // NOTE: not the team's lead while running share 0: a parallel_for inside the job then
+  // runs serially (as at::parallel_for inside a parallel region), not as a second job.
+  led_ = nullptr;
+  run_share_caught(0);
+  led_ = this;
+  // NOTE: every share is waited for, thrown or not: the job's frames outlive its shares.
   for (int64_t seen = done_.load(std::memory_order_acquire); seen != target;)
     seen = wait_change(done_, seen);
+  if (error_) {
+    std::exception_ptr error = nullptr;
+    std::swap(error, error_);
+    std::rethrow_exception(error);
+  }
 }
 
 // at::parallel_for, or inside a team (Team::run) its handshake: the kernels' one entry to
@@ -150,12 +183,6 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn
   } else {
     at::parallel_for(begin, end, grain, fn);
   }
-}
-
-// at::get_num_threads(), or the size of the team this thread leads.
-inline int64_t num_threads() {
-  const Team* team = Team::current();
-  return team != nullptr ? team->size() : at::get_num_threads();
 }
 
 }  // namespace kvloop
