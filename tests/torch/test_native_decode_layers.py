@@ -61,8 +61,6 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without it"
         pytest.skip("no bf16_linear here: no DecodeLayers for bfloat16 matrices")
     assert model.decode_layers is not None
-    # NOTE: the final norm and the head in the one call too (their kernels are kvloop's).
-    assert model.head_in_decode_layers
     counting = Counting(model.decode_layers)
     model.decode_layers = counting
     recorder = LogitRecorder(runner, monkeypatch)
@@ -154,7 +152,6 @@ def _stack_args(layers: int = 1, **change: object) -> dict[str, object]:
     ({"weights": [[w[0][:3], *w[1:]] for w in _stack_args()["weights"]]}, "matrix sizes"),
     ({"intermediate": 96}, "matrix sizes"),
     ({"norms": [], "kinds": [], "weights": [], "biases": []}, "2 norms"),
-    ({"kinds": [3] * 4}, "8 bits: the LM head alone"),
 ])
 def test_decode_layers_refuses_bad_construction(change: dict[str, object], message: str) -> None:
     KERNELS.DecodeLayers(**_stack_args())  # the unchanged arguments build
@@ -177,19 +174,6 @@ def test_decode_layers_refuses_bad_calls() -> None:
         with pytest.raises(RuntimeError, match=message):
             stack.run(**{**args, **change})
         stack.run(**args)  # NOTE: a refusal inside the step's team leaves no thread behind
-    logits = torch.empty(1, 64, dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="without a head"):
-        stack.run(**args, logits=logits)
-    head = _stack_args()["weights"][1][:2]  # 4-bit tensors: not an 8-bit head's
-    with pytest.raises(RuntimeError, match="final norm's size"):
-        stack.set_head(torch.ones(32, dtype=BF16), KERNELS.DecodeLayers.Q8, head, None)
-    with pytest.raises(RuntimeError, match="has kind 3 and 3 tensors"):
-        stack.set_head(torch.ones(64, dtype=BF16), KERNELS.DecodeLayers.Q8,
-                       _stack_args()["weights"][1], None)
-    stack.set_head(torch.ones(64, dtype=BF16), KERNELS.DecodeLayers.Q8, head, None)
-    with pytest.raises(RuntimeError, match="q8_linear"):  # the kernel checks its operands
-        stack.run(**args, logits=logits)
-    stack.run(**args)
     # NOTE: no team left behind by the refusals: a kernel called alone on 64 rows (4 grains of
     # 16) forks and joins, giving what it gives row by row (one thread each).
     rows, weight = torch.randn(64, 64).to(BF16), torch.rand(64).to(BF16)

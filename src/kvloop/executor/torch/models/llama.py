@@ -122,17 +122,12 @@ class LlamaForCausalLM:
         with the KV write, SiLU·up), rounding where torch's ops round (bfloat16) or in
         float32 throughout (float32: torch's results up to float32 rounding; greedy outputs
         matched transformers' in the parity tests)."""
-        head = getattr(self.lm_head, "native_operands", None)
-        self.decode_layers = self._decode_layers(head) if self.fused_ops else None
+        self.decode_layers = self._decode_layers() if self.fused_ops else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the same kernels as
         :meth:`_fused_layers`, without Python between them)."""
-        self.head_in_decode_layers = self.decode_layers is not None and head is not None
-        """Whether :attr:`decode_layers` also runs the final norm and the LM head (where the
-        head is in kvloop's kernels too), for steps whose every row samples."""
 
-    def _decode_layers(self, head: tuple[str, list[Tensor], Tensor | None] | None
-                       ) -> object | None:
+    def _decode_layers(self) -> object | None:
         cfg, norms, matrices = self.config, [], []
         for layer in self.layers:
             norms += [layer.input_norm, layer.post_norm]
@@ -142,8 +137,7 @@ class LlamaForCausalLM:
                     return None
                 matrices.append(operands)
         return native.decode_layers(norms, matrices, cfg.num_heads, cfg.num_kv_heads,
-                                    cfg.head_dim, cfg.intermediate_size,
-                                    None if head is None else (self.norm, head))
+                                    cfg.head_dim, cfg.intermediate_size)
 
     @classmethod
     def load_weights(
@@ -281,16 +275,10 @@ class LlamaForCausalLM:
         x = F.embedding(input_ids, self.embed)
         if self.fused_ops and self.decode_layers is not None and _all_decodes(meta, num_tokens):
             group = meta.groups[0]
-            args = (x, cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim),
-                    kv_layers, slots, group.blocks.view(num_tokens, -1), group.context_lens,
-                    eps, self.scale)
-            if self.head_in_decode_layers and logits_indices is None:
-                # NOTE: the final norm and the head in the same call (and team of threads),
-                # every row, as _fused_logits computes them.
-                out = x.new_empty(num_tokens, self.lm_head.out_features, dtype=torch.float32)
-                self.decode_layers.run(*args, out)
-                return out
-            self.decode_layers.run(*args)
+            self.decode_layers.run(x, cos.view(num_tokens, head_dim),
+                                   sin.view(num_tokens, head_dim), kv_layers, slots,
+                                   group.blocks.view(num_tokens, -1), group.context_lens,
+                                   eps, self.scale)
             return self._fused_logits(x, logits_indices)
         if self.fused_ops:
             self._fused_layers(x, cos, sin, kv_layers, meta, attention)

@@ -396,26 +396,19 @@ def pack_f32(weight: Tensor) -> Tensor:
 
 
 def decode_layers(norms: list[Tensor], matrices: list[tuple[str, list[Tensor], Tensor | None]],
-                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
-                  head: tuple[Tensor, tuple[str, list[Tensor], Tensor | None]] | None = None,
-                  ) -> object:
+                  num_heads: int, num_kv_heads: int, head_dim: int,
+                  intermediate: int) -> object:
     """A ``DecodeLayers`` (``decode_layers.cpp``): a model's layers run for one decode step
     in one call. ``norms``: each layer's input and post-attention norm weights; ``matrices``:
     each layer's QKV, O, gate/up and down as (kernel, weight tensors, float32 bias), the
-    kernel ``bf16_linear``, ``f32_linear`` or ``q4_linear`` (all packed as ``[N/16, ...]``);
-    ``head``: the final norm's weight and the LM head's operands (its kernel may also be
-    ``q8_linear``), which ``run`` then applies too when given a float32 ``logits`` buffer.
+    kernel ``bf16_linear``, ``f32_linear`` or ``q4_linear`` (all packed as ``[N/16, ...]``).
     The object keeps references to the tensors."""
     mod = kernels()
     kinds = {"bf16_linear": mod.DecodeLayers.BF16, "f32_linear": mod.DecodeLayers.F32,
-             "q4_linear": mod.DecodeLayers.Q4, "q8_linear": mod.DecodeLayers.Q8}
-    stack = mod.DecodeLayers(norms, [kinds[k] for k, _, _ in matrices],
-                             [w for _, w, _ in matrices], [b for _, _, b in matrices],
-                             num_heads, num_kv_heads, head_dim, intermediate)
-    if head is not None:
-        norm, (kernel, weights, bias) = head
-        stack.set_head(norm, kinds[kernel], weights, bias)
-    return stack
+             "q4_linear": mod.DecodeLayers.Q4}
+    return mod.DecodeLayers(norms, [kinds[k] for k, _, _ in matrices],
+                            [w for _, w, _ in matrices], [b for _, _, b in matrices],
+                            num_heads, num_kv_heads, head_dim, intermediate)
 
 
 def _per_tile(t: Tensor) -> Tensor:

@@ -32,9 +32,16 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> k
                   biases.size() == n,
               "DecodeLayers: 2 norms and 4 matrices per layer");
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(kinds[i] != kQ8, "DecodeLayers: matrix ", i, " has kind ", kinds[i],
-                " (8 bits: the LM head alone)");
-    mats_.push_back(matrix(i, kinds[i], std::move(weights[i]), std::move(biases[i])));
+    const size_t expected = kinds[i] == kBf16 || kinds[i] == kF32 ? 1 : kinds[i] == kQ4 ? 3 : 0;
+    TORCH_CHECK(expected > 0 && weights[i].size() == expected, "DecodeLayers: matrix ", i,
+                " has kind ", kinds[i], " and ", weights[i].size(), " tensors");
+    TORCH_CHECK(kinds[i] != kBf16 || bf16_available(),
+                "DecodeLayers: bfloat16 matrices need AVX-512 BF16");
+    TORCH_CHECK(weights[i][0].dim() >= 1, "DecodeLayers: matrix ", i, "'s weights");
+    // NOTE: every layout is [N/16, ...] (bf16_, f32_, q4_linear.cpp); the kernels
+    // check the rest of each shape on every call.
+    const int64_t out_features = weights[i][0].size(0) * kvloop::kTile;
+    mats_.push_back(Matrix{kinds[i], std::move(weights[i]), std::move(biases[i]), out_features});
   }
   for (size_t l = 0; l < n / 4; ++l) {
     TORCH_CHECK(mats_[4 * l].out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_ &&
@@ -44,54 +51,26 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> k
   }
 }
 
-DecodeLayers::Matrix DecodeLayers::matrix(size_t i, int64_t kind, std::vector<at::Tensor> weights,
-                                           std::optional<at::Tensor> bias) {
-  const size_t expected = kind == kBf16 || kind == kF32 ? 1 : kind == kQ4 ? 3 : kind == kQ8 ? 2 : 0;
-  TORCH_CHECK(expected > 0 && weights.size() == expected, "DecodeLayers: matrix ", i,
-              " has kind ", kind, " and ", weights.size(), " tensors");
-  TORCH_CHECK(kind != kBf16 || bf16_available(),
-              "DecodeLayers: bfloat16 matrices need AVX-512 BF16");
-  TORCH_CHECK(weights[0].dim() >= 1, "DecodeLayers: matrix ", i, "'s weights");
-  // NOTE: every layout is [N/16, ...] (bf16_, f32_, q4_, q8_linear.cpp); the kernels
-  // check the rest of each shape on every call.
-  const int64_t out_features = weights[0].size(0) * kvloop::kTile;
-  return Matrix{kind, std::move(weights), std::move(bias), out_features};
-}
-
-void DecodeLayers::set_head(at::Tensor norm, int64_t kind, std::vector<at::Tensor> weights,
-                            std::optional<at::Tensor> bias) {
-  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == mats_[1].out_features,
-              "DecodeLayers: the final norm's size");
-  head_ = matrix(mats_.size(), kind, std::move(weights), std::move(bias));
-  final_norm_ = std::move(norm);
-}
-
 void DecodeLayers::linear(const Matrix& m, const at::Tensor& x, at::Tensor& out,
                           bool accumulate) const {
   if (m.kind == kBf16) {
     traced("kvloop::bf16_linear", [&] { bf16_linear(x, m.w[0], m.bias, out, accumulate); });
   } else if (m.kind == kF32) {
     traced("kvloop::f32_linear", [&] { f32_linear(x, m.w[0], m.bias, out, accumulate); });
-  } else if (m.kind == kQ4) {
+  } else {
     traced("kvloop::q4_linear",
            [&] { q4_linear(x, m.w[0], m.w[1], m.w[2], m.bias, out, accumulate); });
-  } else {
-    traced("kvloop::q8_linear",
-           [&] { q8_linear(x, m.w[0], m.w[1], m.bias, out, accumulate); });
   }
 }
 
 void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const std::vector<at::Tensor>& caches, const at::Tensor& slots,
                        const at::Tensor& block_table, const at::Tensor& context_lens,
-                       double eps, double scale,
-                       const std::optional<at::Tensor>& logits) const {
+                       double eps, double scale) const {
   const int64_t layers = static_cast<int64_t>(mats_.size() / 4);
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers, "DecodeLayers: one cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == mats_[1].out_features,
               "DecodeLayers: x layout");
-  TORCH_CHECK(!logits.has_value() || head_.has_value(),
-              "DecodeLayers: logits asked for without a head (set_head)");
   const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
   // NOTE: buffers shared by every layer of the step (as in _fused_layers).
   at::Tensor h = at::empty_like(x);
@@ -118,11 +97,6 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       linear(m[2], h, gate_up, false);
       traced("kvloop::silu_mul", [&] { silu_mul(gate_up, act); });
       linear(m[3], act, x, true);
-    }
-    if (logits.has_value()) {  // NOTE: as LlamaForCausalLM._fused_logits, every row
-      traced("kvloop::rms_norm", [&] { rms_norm(x, final_norm_, eps, x); });
-      at::Tensor out = *logits;
-      linear(*head_, x, out, false);
     }
   });
   threads_.store(threads, std::memory_order_relaxed);

@@ -80,7 +80,6 @@ class DecodeLayers {
   static constexpr int64_t kBf16 = 0;
   static constexpr int64_t kQ4 = 1;
   static constexpr int64_t kF32 = 2;
-  static constexpr int64_t kQ8 = 3;  // the LM head alone (set_head): packed, scales
 
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> kinds,
                std::vector<std::vector<at::Tensor>> weights,
@@ -88,20 +87,13 @@ class DecodeLayers {
                int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
 
   // x [T, hidden] updated in place; the step's T tokens are all decodes of T sequences.
-  // With ``logits`` (float32 [T, vocab]), the final norm (in place in x) and the LM head
-  // after the layers, in the same team of threads: set_head first.
   void run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
            const std::vector<at::Tensor>& caches, const at::Tensor& slots,
            const at::Tensor& block_table, const at::Tensor& context_lens, double eps,
-           double scale, const std::optional<at::Tensor>& logits) const;
+           double scale) const;
 
   // The threads that ran the last call: its team's size (team.h), 1 without a team.
   int64_t threads() const { return threads_.load(std::memory_order_relaxed); }
-
-  // The model's final norm and its LM head (kind kBf16, kF32 or kQ8, its tensors as a
-  // layer matrix's), for run's ``logits``.
-  void set_head(at::Tensor norm, int64_t kind, std::vector<at::Tensor> weights,
-                std::optional<at::Tensor> bias);
 
  private:
   struct Matrix {
@@ -110,14 +102,10 @@ class DecodeLayers {
     std::optional<at::Tensor> bias;  // float32 [out]
     int64_t out_features;
   };
-  static Matrix matrix(size_t i, int64_t kind, std::vector<at::Tensor> weights,
-                       std::optional<at::Tensor> bias);
   void linear(const Matrix& m, const at::Tensor& x, at::Tensor& out, bool accumulate) const;
 
   std::vector<at::Tensor> norms_;  // input and post-attention norm of each layer
   std::vector<Matrix> mats_;
-  std::optional<Matrix> head_;
-  at::Tensor final_norm_;
   mutable std::atomic<int64_t> threads_{0};
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_;
 };

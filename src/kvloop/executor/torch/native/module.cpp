@@ -44,15 +44,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("intermediate"))
       .def("run", &DecodeLayers::run, "a decode step's layers, x updated in place", kFree,
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),
-           py::arg("block_table"), py::arg("context_lens"), py::arg("eps"), py::arg("scale"),
-           py::arg("logits") = py::none())
+           py::arg("block_table"), py::arg("context_lens"), py::arg("eps"), py::arg("scale"))
       .def_property_readonly("threads", &DecodeLayers::threads,
                              "the threads that ran the last call (1: no team)")
-      .def("set_head", &DecodeLayers::set_head, "the final norm and the LM head, for run",
-           py::arg("norm"), py::arg("kind"), py::arg("weights"), py::arg("bias"))
       .def_readonly_static("BF16", &DecodeLayers::kBf16)
       .def_readonly_static("Q4", &DecodeLayers::kQ4)
-      .def_readonly_static("F32", &DecodeLayers::kF32)
-      .def_readonly_static("Q8", &DecodeLayers::kQ8);
+      .def_readonly_static("F32", &DecodeLayers::kF32);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", kFree, py::arg("gate_up"), py::arg("out"));
 }
