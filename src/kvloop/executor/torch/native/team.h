@@ -11,7 +11,9 @@
 // kernel computes the same bits in a team or not.
 // NOTE: no team where the threads outnumber the CPUs this process may run on: a spinning
 // thread would then hold the CPU a thread with work needs (a step 20-40x slower at 3 and 4
-// threads on 2 CPUs in review); the kernels then fork and join as before.
+// threads on 2 CPUs in review); the kernels then fork and join as before. The affinity mask
+// counts, not a cgroup CPU quota (torch's default thread count ignores one too: where a
+// quota is below the CPUs, set the threads to it, e.g. OMP_NUM_THREADS).
 #pragma once
 
 #include <ATen/Parallel.h>
