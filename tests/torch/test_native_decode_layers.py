@@ -61,20 +61,31 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without it"
         pytest.skip("no bf16_linear here: no DecodeLayers for bfloat16 matrices")
     assert model.decode_layers is not None
-    counting = Counting(model.decode_layers)
-    model.decode_layers = counting
-    recorder = LogitRecorder(runner, monkeypatch)
     prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61], [1, 2, 3]]
-    reqs, _ = drive(runner, prompts, 8, arrive_at=[0, 0, 3])
-    one_call = recorder.force(reqs)
+    counting, one_call, loop = _one_call_then_python_loop(runner, prompts, 8, monkeypatch,
+                                                          arrive_at=[0, 0, 3])
     # Able to fail: the steps whose tokens were all decodes went through the one call, and
     # the steps with a prefill (first, and the third request's arrival) did not.
     assert counting.tokens and set(counting.tokens) <= {1, 2, 3}, counting.tokens
-    model.decode_layers = None
-    drive(runner, prompts, 8, arrive_at=[0, 0, 3])
-    assert one_call.keys() == recorder.logits.keys()
+    assert one_call.keys() == loop.keys()
     for key, row in one_call.items():
-        assert torch.equal(row, recorder.logits[key]), key
+        assert torch.equal(row, loop[key]), key
+
+
+def _one_call_then_python_loop(runner: object, prompts: list[list[int]], steps: int,
+                               monkeypatch: pytest.MonkeyPatch, **drive_args: object
+                               ) -> tuple[Counting, dict, dict]:
+    """``prompts`` driven ``steps`` steps through the model's one call (counted), then again
+    through the Python loop forced to the same tokens: the counter and each run's logits."""
+    model = runner.model  # type: ignore[attr-defined]
+    counting = Counting(model.decode_layers)
+    model.decode_layers = counting
+    recorder = LogitRecorder(runner, monkeypatch)
+    reqs, _ = drive(runner, prompts, steps, **drive_args)
+    one_call = recorder.force(reqs)
+    model.decode_layers = None
+    drive(runner, prompts, steps, **drive_args)
+    return counting, one_call, recorder.logits
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -89,19 +100,12 @@ def test_its_team_of_threads_gives_the_same_bits(shaped: object, threads: int,
     torch.set_num_threads(threads)
     try:
         runner = make_runner(shaped, dtype="bfloat16", quantization="int4", block_size=16)
-        model = runner.model
-        counting = Counting(model.decode_layers)
-        model.decode_layers = counting
-        recorder = LogitRecorder(runner, monkeypatch)
         prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61]]
-        reqs, _ = drive(runner, prompts, 6)
-        one_call = recorder.force(reqs)
-        model.decode_layers = None
-        drive(runner, prompts, 6)
-        assert counting.tokens and one_call.keys() == recorder.logits.keys()
+        counting, one_call, loop = _one_call_then_python_loop(runner, prompts, 6, monkeypatch)
+        assert counting.tokens and one_call.keys() == loop.keys()
         assert counting.stack.threads == expected  # type: ignore[attr-defined]
         for key, row in one_call.items():
-            assert torch.equal(row, recorder.logits[key]), key
+            assert torch.equal(row, loop[key]), key
     finally:
         torch.set_num_threads(before)
 

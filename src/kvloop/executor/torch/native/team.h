@@ -67,16 +67,13 @@ class Team {
     }
   }
 
-  void run_share(int64_t share) const {
+  // Runs share ``share`` of the job, an exception kept for the lead (the first one) instead
+  // of leaving the thread.
+  void run_share(int64_t share) {
     const int64_t b = job_.begin + share * job_.chunk;
-    if (share < job_.shares && b < job_.end)
-      job_.call(job_.fn, b, std::min(job_.end, b + job_.chunk));
-  }
-
-  // run_share, an exception kept for the lead (the first one) instead of leaving the thread.
-  void run_share_caught(int64_t share) {
+    if (share >= job_.shares || b >= job_.end) return;
     try {
-      run_share(share);
+      job_.call(job_.fn, b, std::min(job_.end, b + job_.chunk));
     } catch (...) {
       const std::lock_guard<std::mutex> lock(error_mutex_);
       if (!error_) error_ = std::current_exception();
@@ -88,7 +85,7 @@ class Team {
     for (;;) {
       seen = wait_change(generation_, seen);
       if (quit_) return;
-      run_share_caught(tid);
+      run_share(tid);
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
@@ -164,7 +161,7 @@ void Team::split(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   // NOTE: not the team's lead while running share 0: a parallel_for inside the job then
   // runs serially (as at::parallel_for inside a parallel region), not as a second job.
   led_ = nullptr;
-  run_share_caught(0);
+  run_share(0);
   led_ = this;
   // NOTE: every share is waited for, thrown or not: the job's frames outlive its shares.
   for (int64_t seen = done_.load(std::memory_order_acquire); seen != target;)
