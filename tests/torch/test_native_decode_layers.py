@@ -61,6 +61,11 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without it"
         pytest.skip("no bf16_linear here: no DecodeLayers for bfloat16 matrices")
     assert model.decode_layers is not None
+    # NOTE: a matrix changed in place after loading, which moved the weights (huge pages,
+    # where the OS offers them) after the model built its DecodeLayers: the one call must
+    # read the weights where they are now (the loader builds it again), with their new values.
+    weights = model.layers[-1].gate_up.native_operands[1][0]
+    weights.copy_(weights.flip(0))
     prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61], [1, 2, 3]]
     counting, one_call, loop = _one_call_then_python_loop(runner, prompts, 8, monkeypatch,
                                                           arrive_at=[0, 0, 3])
@@ -156,6 +161,11 @@ def _stack_args(layers: int = 1, **change: object) -> dict[str, object]:
     ({"weights": [[w[0][:3], *w[1:]] for w in _stack_args()["weights"]]}, "matrix sizes"),
     ({"intermediate": 96}, "matrix sizes"),
     ({"norms": [], "kinds": [], "weights": [], "biases": []}, "2 norms"),
+    ({"weights": [[w[0], w[1].float(), w[2]] for w in _stack_args()["weights"]]},
+     "matrix 0's weights"),
+    ({"weights": [[w[0][:, :1], *w[1:]] for w in _stack_args()["weights"]]},
+     "matrix 0's weights"),
+    ({"biases": [torch.zeros(96, dtype=BF16), None, None, None]}, "matrix 0's bias"),
 ])
 def test_decode_layers_refuses_bad_construction(change: dict[str, object], message: str) -> None:
     KERNELS.DecodeLayers(**_stack_args())  # the unchanged arguments build
@@ -174,7 +184,8 @@ def test_decode_layers_refuses_bad_calls() -> None:
     for change, message in [({"caches": [cache, cache]}, "one cache per layer"),
                             ({"x": torch.randn(1, 32).to(BF16)}, "x layout"),
                             ({"context_lens": torch.tensor([40])}, "decode_attention"),
-                            ({"block_table": torch.tensor([[9]])}, "out of range")]:
+                            ({"block_table": torch.tensor([[9]])}, "out of range"),
+                            ({"x": torch.randn(1, 64).half()}, "bfloat16 or float32")]:
         with pytest.raises(RuntimeError, match=message):
             stack.run(**{**args, **change})
         stack.run(**args)  # NOTE: a refusal inside the step's team leaves no thread behind

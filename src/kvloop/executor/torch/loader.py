@@ -141,5 +141,8 @@ def load_model(
         model = cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
-    move_to_huge_pages(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
+    # NOTE: CPU tensors only; others stay
+    if move_to_huge_pages(model.streamed_tensors()) and model.decode_layers is not None:
+        # NOTE: DecodeLayers reads the weights where they were when it was built
+        model.decode_layers = model.build_decode_layers()
     return config, model

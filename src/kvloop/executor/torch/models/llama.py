@@ -122,12 +122,17 @@ class LlamaForCausalLM:
         with the KV write, SiLU·up), rounding where torch's ops round (bfloat16) or in
         float32 throughout (float32: torch's results up to float32 rounding; greedy outputs
         matched transformers' in the parity tests)."""
-        self.decode_layers = self._decode_layers() if self.fused_ops else None
+        self.decode_layers = self.build_decode_layers() if self.fused_ops else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the same kernels as
         :meth:`_fused_layers`, without Python between them)."""
 
-    def _decode_layers(self) -> object | None:
+    def build_decode_layers(self) -> object | None:
+        """A ``native.DecodeLayers`` over the layers' current weights, or None where a layer
+        matrix is not in kvloop's kernels.
+
+        NOTE: it reads the weights' memory as it is now: build it again after moving them
+        (as the loader does after :func:`~kvloop.executor.torch.huge_pages.move_to_huge_pages`)."""
         cfg, norms, matrices = self.config, [], []
         for layer in self.layers:
             norms += [layer.input_norm, layer.post_norm]

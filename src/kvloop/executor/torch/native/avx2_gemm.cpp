@@ -366,60 +366,95 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
   });
 }
 
-template <typename MakeTiles>
+// An integer product on raw data (int_gemm.h's int_product, over this file's QuantRows).
+template <typename X, typename O, typename MakeTiles>
+void int_product(const X* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K,
+                 bool accumulate, MakeTiles&& make_tiles) {
+  const QuantRows rows = quantize_rows(x, M, K);
+  store_tiles(make_tiles(rows), bias, out, M, N, accumulate);
+}
+
+// int_gemm.h's int_gemm over this file's int_product.
+template <typename Product>
 void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
               at::ScalarType packed_type, int64_t bits,
               std::initializer_list<kvloop::PerGroup> per_group,
-              const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
-              MakeTiles&& make_tiles) {
+              const std::optional<at::Tensor>& bias, at::Tensor& out, Product&& product) {
   const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
-    const QuantRows rows = quantize_rows(xp, M, K);
-    store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);
-  });
+  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) { product(xp, b, op); });
 }
 
 }  // namespace
 
-// NOTE: the AVX2 build's definitions of kernels.h's q4_linear and q8_linear (in place of
-// q4_linear.cpp and q8_linear.cpp).
+// NOTE: the AVX2 build's definitions of kernels.h's q4_product, q4_linear, q8_linear,
+// bf16_product and bf16_linear (in place of q4_linear.cpp's, q8_linear.cpp's and
+// bf16_linear.cpp's).
+template <typename X, typename O>
+void q4_product(const X* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                const float* bias, O* out, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  int_product(x, bias, out, M, N, K, accumulate, [&](const QuantRows& rows) {
+    return Q4Tiles{packed, scales, mins, rows, K, K / kGroup};
+  });
+}
+
+template void q4_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
+                         const float*, uint16_t*, int64_t, int64_t, int64_t, bool);
+template void q4_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
+                         const float*, float*, int64_t, int64_t, int64_t, bool);
+template void q4_product(const float*, const uint8_t*, const uint16_t*, const uint16_t*,
+                         const float*, float*, int64_t, int64_t, int64_t, bool);
+
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias, at::Tensor& out,
                bool accumulate) {
   int_gemm("q4_linear", x, packed, at::kByte, 4, {{scales, at::kHalf}, {mins, at::kHalf}}, bias,
-           out, accumulate, [&](const QuantRows& rows, int64_t K) {
-             return Q4Tiles{packed.data_ptr<uint8_t>(),
-                            static_cast<const uint16_t*>(scales.data_ptr()),
-                            static_cast<const uint16_t*>(mins.data_ptr()), rows, K, K / kGroup};
+           out, [&](const auto* xp, const float* b, auto* op) {
+             q4_product(xp, packed.data_ptr<uint8_t>(),
+                        static_cast<const uint16_t*>(scales.data_ptr()),
+                        static_cast<const uint16_t*>(mins.data_ptr()), b, op, x.size(0),
+                        out.size(1), x.size(1), accumulate);
            });
 }
 
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
-  int_gemm("q8_linear", x, packed, at::kChar, 8, {{scales, at::kHalf}}, bias, out, accumulate,
-           [&](const QuantRows& rows, int64_t K) {
-             return Q8Tiles{packed.data_ptr<int8_t>(),
-                            static_cast<const uint16_t*>(scales.data_ptr()), rows, K,
-                            K / kGroup};
+  int_gemm("q8_linear", x, packed, at::kChar, 8, {{scales, at::kHalf}}, bias, out,
+           [&](const auto* xp, const float* b, auto* op) {
+             const int64_t K = x.size(1);
+             int_product(xp, b, op, x.size(0), out.size(1), K, accumulate,
+                         [&](const QuantRows& rows) {
+                           return Q8Tiles{packed.data_ptr<int8_t>(),
+                                          static_cast<const uint16_t*>(scales.data_ptr()), rows,
+                                          K, K / kGroup};
+                         });
            });
 }
 
 bool bf16_available() { return true; }
 
-// NOTE: the AVX2 build's bf16_linear (in place of bf16_linear.cpp's, which needs AVX-512
-// BF16): the same checks, the same packed layout, float32 sums in another order.
+// NOTE: the AVX2 build's bf16_product (in place of bf16_linear.cpp's, which needs AVX-512
+// BF16): the same packed layout, float32 sums in another order.
+template <typename O>
+void bf16_product(const uint16_t* x, const uint16_t* packed, const float* bias, O* out,
+                  int64_t M, int64_t N, int64_t K, bool accumulate) {
+  std::vector<float> xf(M * K);
+  // NOTE: K % 32 == 0 (checked by the callers), so M * K is a multiple of 16.
+  for (int64_t i = 0; i < M * K; i += 16) kvloop::vstoreu(xf.data() + i, kvloop::load_bf16(x + i));
+  store_tiles(Bf16Tiles{packed, xf.data(), K, M}, bias, out, M, N, accumulate);
+}
+
+template void bf16_product(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t,
+                           int64_t, int64_t, bool);
+template void bf16_product(const uint16_t*, const uint16_t*, const float*, float*, int64_t,
+                           int64_t, int64_t, bool);
+
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
   kvloop::check_bf16_linear(x, packed, out);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const float* b = bias_data("bf16_linear", bias, out);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> xf(M * K);
-  // NOTE: K % 32 == 0 (check_bf16_linear), so M * K is a multiple of 16.
-  for (int64_t i = 0; i < M * K; i += 16) kvloop::vstoreu(xf.data() + i, kvloop::load_bf16(xp + i));
   kvloop::by_output_dtype(out, [&](auto* op) {
-    store_tiles(Bf16Tiles{reinterpret_cast<const uint16_t*>(packed.data_ptr()), xf.data(), K, M},
-                b, op, M, N, accumulate);
+    bf16_product(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr()), b, op, x.size(0),
+                 out.size(1), x.size(1), accumulate);
   });
 }

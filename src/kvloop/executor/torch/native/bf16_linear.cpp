@@ -92,24 +92,35 @@ struct Bf16Tiles {
 }  // namespace
 #endif
 
-void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
-                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+template <typename O>
+void bf16_product(const uint16_t* x, const uint16_t* packed, const float* bias, O* out,
+                  int64_t M, int64_t N, int64_t K, bool accumulate) {
   // NOTE: without this check a CPU lacking AVX-512 BF16 would die of SIGILL.
   TORCH_CHECK(bf16_available(), "bf16_linear: needs AVX-512 BF16 (this CPU or compiler lacks it)");
-  kvloop::check_bf16_linear(x, packed, out);
 #if KVLOOP_BF16
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = kvloop::bias_data("bf16_linear", bias, out);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  kvloop::by_output_dtype(out, [&](auto* op) {
-    if (M >= kAmxRows && amx_available()) {
-      amx_bf16_gemm(xp, wp, b, op, M, N, K, accumulate);
-    } else if (M == 1) {
-      kvloop::store_tiles(Bf16Tiles<1>{wp, xp, K}, b, op, M, N, accumulate);
-    } else {
-      kvloop::store_tiles(Bf16Tiles<2>{wp, xp, K}, b, op, M, N, accumulate);
-    }
-  });
+  if (M >= kAmxRows && amx_available()) {
+    amx_bf16_gemm(x, packed, bias, out, M, N, K, accumulate);
+  } else if (M == 1) {
+    kvloop::store_tiles(Bf16Tiles<1>{packed, x, K}, bias, out, M, N, accumulate);
+  } else {
+    kvloop::store_tiles(Bf16Tiles<2>{packed, x, K}, bias, out, M, N, accumulate);
+  }
 #endif
+}
+
+template void bf16_product(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t,
+                           int64_t, int64_t, bool);
+template void bf16_product(const uint16_t*, const uint16_t*, const float*, float*, int64_t,
+                           int64_t, int64_t, bool);
+
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+  TORCH_CHECK(bf16_available(), "bf16_linear: needs AVX-512 BF16 (this CPU or compiler lacks it)");
+  kvloop::check_bf16_linear(x, packed, out);
+  const float* b = kvloop::bias_data("bf16_linear", bias, out);
+  kvloop::by_output_dtype(out, [&](auto* op) {
+    bf16_product(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr()), b, op, x.size(0),
+                 out.size(1), x.size(1), accumulate);
+  });
 }

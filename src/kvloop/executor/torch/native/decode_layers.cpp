@@ -6,6 +6,8 @@
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
 
+#include <type_traits>
+
 #include "gemm_checks.h"
 #include "kernels.h"
 #include "team.h"
@@ -49,17 +51,69 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> k
                     mats_[4 * l + 1].out_features == mats_[4 * l + 3].out_features,
                 "DecodeLayers: layer ", l, "'s matrix sizes");
   }
+  // NOTE: each product's operands are checked here, once, as its kernel's entry point checks
+  // them on every call; a step then passes the kernels raw data only (kernels.h, *_product).
+  const int64_t hidden = mats_[1].out_features;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t in = i % 4 == 1 ? num_heads_ * head_dim_ : i % 4 == 3 ? intermediate_ : hidden;
+    check_matrix(i, mats_[i], in);
+    if (mats_[i].kind != kQ4) {
+      TORCH_CHECK(float_kind_ < 0 || float_kind_ == mats_[i].kind,
+                  "DecodeLayers: bfloat16 and float32 matrices in one model");
+      float_kind_ = mats_[i].kind;
+    }
+  }
 }
 
-void DecodeLayers::linear(const Matrix& m, const at::Tensor& x, at::Tensor& out,
-                          bool accumulate) const {
-  if (m.kind == kBf16) {
-    traced("kvloop::bf16_linear", [&] { bf16_linear(x, m.w[0], m.bias, out, accumulate); });
-  } else if (m.kind == kF32) {
-    traced("kvloop::f32_linear", [&] { f32_linear(x, m.w[0], m.bias, out, accumulate); });
+void DecodeLayers::check_matrix(size_t i, Matrix& m, int64_t in) const {
+  const int64_t N = m.out_features;
+  TORCH_CHECK(in % kvloop::kGroup == 0, "DecodeLayers: matrix ", i, "'s input size ", in,
+              " is not a multiple of ", kvloop::kGroup);
+  auto dense = [&](const at::Tensor& t, at::ScalarType type, int64_t numel) {
+    TORCH_CHECK(t.scalar_type() == type && t.numel() == numel && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                "DecodeLayers: matrix ", i, "'s weights (", t.scalar_type(), " ", t.sizes(),
+                "): want ", numel, " contiguous CPU values of ", type);
+    m.data.push_back(t.data_ptr());
+    m.keep.push_back(t.storage());
+  };
+  if (m.kind == kQ4) {
+    dense(m.w[0], at::kByte, N * in / 2);
+    dense(m.w[1], at::kHalf, N * in / kvloop::kGroup);
+    dense(m.w[2], at::kHalf, N * in / kvloop::kGroup);
   } else {
-    traced("kvloop::q4_linear",
-           [&] { q4_linear(x, m.w[0], m.w[1], m.w[2], m.bias, out, accumulate); });
+    dense(m.w[0], m.kind == kBf16 ? at::kBFloat16 : at::kFloat, N * in);
+  }
+  if (m.bias) {
+    TORCH_CHECK(m.bias->scalar_type() == at::kFloat && m.bias->numel() == N &&
+                    m.bias->is_contiguous() && m.bias->device().is_cpu(),
+                "DecodeLayers: matrix ", i, "'s bias: want ", N, " contiguous CPU float32 values");
+    m.bias_data = m.bias->data_ptr<float>();
+    m.keep.push_back(m.bias->storage());
+  }
+  m.in_features = in;
+}
+
+template <typename T>
+void DecodeLayers::linear(const Matrix& m, const T* x, T* out, int64_t rows,
+                          bool accumulate) const {
+  const int64_t N = m.out_features, K = m.in_features;
+  if (m.kind == kQ4) {
+    traced("kvloop::q4_linear", [&] {
+      q4_product(x, static_cast<const uint8_t*>(m.data[0]),
+                 static_cast<const uint16_t*>(m.data[1]), static_cast<const uint16_t*>(m.data[2]),
+                 m.bias_data, out, rows, N, K, accumulate);
+    });
+  } else if constexpr (std::is_same_v<T, uint16_t>) {  // NOTE: run() matched x to the kind
+    traced("kvloop::bf16_linear", [&] {
+      bf16_product(x, static_cast<const uint16_t*>(m.data[0]), m.bias_data, out, rows, N, K,
+                   accumulate);
+    });
+  } else {
+    traced("kvloop::f32_linear", [&] {
+      f32_product(x, static_cast<const float*>(m.data[0]), m.bias_data, out, rows, N, K,
+                  accumulate);
+    });
   }
 }
 
@@ -71,6 +125,14 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers, "DecodeLayers: one cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == mats_[1].out_features,
               "DecodeLayers: x layout");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "DecodeLayers: x must be bfloat16 or float32");
+  // NOTE: bfloat16 matrices multiply bfloat16 activations, float32 ones float32 (as their
+  // kernels check); 4-bit ones either.
+  TORCH_CHECK(float_kind_ < 0 ||
+                  x.scalar_type() == (float_kind_ == kBf16 ? at::kBFloat16 : at::kFloat),
+              "DecodeLayers: x is ", x.scalar_type(), " for ",
+              float_kind_ == kBf16 ? "bfloat16" : "float32", " matrices");
   const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
   // NOTE: buffers shared by every layer of the step (as in _fused_layers).
   at::Tensor h = at::empty_like(x);
@@ -79,25 +141,31 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   at::Tensor gate_up = x.new_empty({T, 2 * intermediate_});
   at::Tensor act = x.new_empty({T, intermediate_});
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_dim_});
-  // NOTE: one team of threads for the whole step (team.h): each kernel's parallel part is a
-  // handshake with threads already running, not an OpenMP fork and join.
-  const int64_t threads = kvloop::Team::run([&] {
-    for (int64_t l = 0; l < layers; ++l) {
-      const Matrix* m = &mats_[4 * l];
-      at::Tensor cache = caches[l];
-      traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l], eps, h); });
-      linear(m[0], h, qkv, false);
-      traced("kvloop::rope_write_kv", [&] {
-        rope_write_kv(qkv, cos, sin, cache, slots, num_heads_, num_kv_heads_);
-      });
-      traced("kvloop::decode_attention",
-             [&] { decode_attention(q, cache, block_table, context_lens, scale, attn); });
-      linear(m[1], attn, x, true);
-      traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l + 1], eps, h); });
-      linear(m[2], h, gate_up, false);
-      traced("kvloop::silu_mul", [&] { silu_mul(gate_up, act); });
-      linear(m[3], act, x, true);
-    }
+  kvloop::by_output_dtype(x, [&](auto* xp) {
+    using E = std::remove_pointer_t<decltype(xp)>;
+    auto raw = [](const at::Tensor& t) { return static_cast<E*>(t.data_ptr()); };
+    E *hp = raw(h), *qkvp = raw(qkv), *attnp = raw(attn), *gate_upp = raw(gate_up),
+      *actp = raw(act);
+    // NOTE: one team of threads for the whole step (team.h): each kernel's parallel part is a
+    // handshake with threads already running, not an OpenMP fork and join.
+    const int64_t threads = kvloop::Team::run([&] {
+      for (int64_t l = 0; l < layers; ++l) {
+        const Matrix* m = &mats_[4 * l];
+        at::Tensor cache = caches[l];
+        traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l], eps, h); });
+        linear(m[0], hp, qkvp, T, false);
+        traced("kvloop::rope_write_kv", [&] {
+          rope_write_kv(qkv, cos, sin, cache, slots, num_heads_, num_kv_heads_);
+        });
+        traced("kvloop::decode_attention",
+               [&] { decode_attention(q, cache, block_table, context_lens, scale, attn); });
+        linear(m[1], attnp, xp, T, true);
+        traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l + 1], eps, h); });
+        linear(m[2], hp, gate_upp, T, false);
+        traced("kvloop::silu_mul", [&] { silu_mul(gate_up, act); });
+        linear(m[3], actp, xp, T, true);
+      }
+    });
+    threads_.store(threads, std::memory_order_relaxed);
   });
-  threads_.store(threads, std::memory_order_relaxed);
 }

@@ -20,24 +20,18 @@ using kvloop::kF32Rows;
 using kvloop::kTile;
 using kvloop::V16;
 
-void f32_linear(const at::Tensor& x, const at::Tensor& packed,
-                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
-  kvloop::check_f32_linear(x, packed, out);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const float* b = kvloop::bias_data("f32_linear", bias, out);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void f32_product(const float* x, const float* packed, const float* bias, float* out, int64_t M,
+                 int64_t N, int64_t K, bool accumulate) {
   kvloop::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
     V16 acc[kF32Rows];
     for (int64_t t = begin; t < end; ++t) {
-      const float* w = wp + t * K * kTile;
-      const V16 bv = b ? kvloop::vloadu(b + t * kTile) : kvloop::vzero();
+      const float* w = packed + t * K * kTile;
+      const V16 bv = bias ? kvloop::vloadu(bias + t * kTile) : kvloop::vzero();
       for (int64_t m0 = 0; m0 < M; m0 += kF32Rows) {
         const int64_t rows = std::min<int64_t>(kF32Rows, M - m0);
-        kvloop::f32_tile_rows<kF32Rows>(rows, w, xp, K, m0, acc);
+        kvloop::f32_tile_rows<kF32Rows>(rows, w, x, K, m0, acc);
         for (int64_t r = 0; r < rows; ++r) {
-          float* o = op + (m0 + r) * N + t * kTile;
+          float* o = out + (m0 + r) * N + t * kTile;
           V16 v = kvloop::vadd(acc[r], bv);
           if (accumulate) v = kvloop::vadd(v, kvloop::vloadu(o));
           kvloop::vstoreu(o, v);
@@ -45,4 +39,12 @@ void f32_linear(const at::Tensor& x, const at::Tensor& packed,
       }
     }
   });
+}
+
+void f32_linear(const at::Tensor& x, const at::Tensor& packed,
+                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
+  kvloop::check_f32_linear(x, packed, out);
+  f32_product(x.data_ptr<float>(), packed.data_ptr<float>(),
+              kvloop::bias_data("f32_linear", bias, out), out.data_ptr<float>(), x.size(0),
+              out.size(1), x.size(1), accumulate);
 }

@@ -145,20 +145,24 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// An integer product on raw data: x's rows quantised, then out (+)= the tiles of
+// ``make_tiles(rows)`` (+ bias).
+template <typename X, typename O, typename MakeTiles>
+void int_product(const X* x, const float* bias, O* out, int64_t M, int64_t N, int64_t K,
+                 bool accumulate, MakeTiles&& make_tiles) {
+  const QuantRows rows = quantize_rows(x, M, K);
+  store_tiles(make_tiles(rows), bias, out, M, N, accumulate);
+}
+
 // The body of an integer GEMM's entry point: checks x, out, the weights (``packed``, ``bits``
-// per weight, and its per-(output, group) tensors) and the bias, quantises x's rows, then
-// out (+)= the tiles of ``make_tiles(rows, K)`` (+ bias).
-template <typename MakeTiles>
+// per weight, and its per-(output, group) tensors) and the bias, then
+// ``product(x, bias, out)`` on their data (x and out typed by their dtypes).
+template <typename Product>
 void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
               at::ScalarType packed_type, int64_t bits, std::initializer_list<PerGroup> per_group,
-              const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate,
-              MakeTiles&& make_tiles) {
+              const std::optional<at::Tensor>& bias, at::Tensor& out, Product&& product) {
   const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) {
-    const QuantRows rows = quantize_rows(xp, M, K);
-    store_tiles(make_tiles(rows, K), b, op, M, N, accumulate);
-  });
+  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) { product(xp, b, op); });
 }
 
 }  // namespace kvloop

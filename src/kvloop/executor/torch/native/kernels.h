@@ -13,6 +13,23 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate);
 
+// The products on raw data, their operands already checked: out[M, N] (+)= x[M, K] @ W.T
+// (+ bias: float32 [N] or null), W packed as for q4_linear, bf16_linear and f32_linear. Each
+// of those entry points checks its tensors, then calls one; DecodeLayers checks its matrices
+// once, when built. X and O are the activations' and outputs' element types (uint16_t:
+// bfloat16's raw bits; float): q4 takes bfloat16 or float32 x, out x's type or float32.
+// NOTE: called after its checks, a decode step's product touches no tensor object: after
+// ~0.5 MB of weights has gone through L2, those objects come from memory again (~1 µs a
+// product of a one-row step; docs/native-kernels.md, sixteenth round).
+template <typename X, typename O>
+void q4_product(const X* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                const float* bias, O* out, int64_t M, int64_t N, int64_t K, bool accumulate);
+template <typename O>
+void bf16_product(const uint16_t* x, const uint16_t* packed, const float* bias, O* out,
+                  int64_t M, int64_t N, int64_t K, bool accumulate);
+void f32_product(const float* x, const float* packed, const float* bias, float* out, int64_t M,
+                 int64_t N, int64_t K, bool accumulate);
+
 // The same with W in 8 bits (see q8_linear.cpp).
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
@@ -73,8 +90,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& cache,
 // once per model from its norms and layer matrices, 4 per layer (qkv, o, gate_up, down),
 // each bfloat16 (``kBf16``: the packed weights), float32 (``kF32``: the packed weights) or
 // 4-bit (``kQ4``: packed, scales, mins).
-// NOTE: it holds those tensors: a weight changed in place is seen, a layer matrix replaced
-// by another object is not (build a new one).
+// NOTE: it reads the matrices' memory as it was when built (and keeps that memory alive): a
+// weight changed in place is seen; a matrix replaced by another object, or moved to other
+// memory (Tensor.set_, as move_to_huge_pages does), is not: build a new one.
 class DecodeLayers {
  public:
   static constexpr int64_t kBf16 = 0;
@@ -101,11 +119,18 @@ class DecodeLayers {
     std::vector<at::Tensor> w;
     std::optional<at::Tensor> bias;  // float32 [out]
     int64_t out_features;
+    int64_t in_features = 0;
+    std::vector<const void*> data;    // w's data, taken when built
+    const float* bias_data = nullptr;
+    std::vector<c10::Storage> keep;   // the memory of data and bias_data, kept alive
   };
-  void linear(const Matrix& m, const at::Tensor& x, at::Tensor& out, bool accumulate) const;
+  void check_matrix(size_t i, Matrix& m, int64_t in_features) const;
+  template <typename T>
+  void linear(const Matrix& m, const T* x, T* out, int64_t rows, bool accumulate) const;
 
   std::vector<at::Tensor> norms_;  // input and post-attention norm of each layer
   std::vector<Matrix> mats_;
+  int64_t float_kind_ = -1;  // kBf16 or kF32 where a matrix is one (x's dtype then), else -1
   mutable std::atomic<int64_t> threads_{0};
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_;
 };

@@ -9,6 +9,8 @@
 // For 16 outputs and one group, chunk c (64 bytes, c = 0..3) holds, at byte 4 * n + j, the
 // code of k = 8c + j in its low nibble and of k = 8c + 4 + j in its high one. Scales d and
 // offsets m are float16 [N/16][K/32][16] (as a Q4_1 block's), widened exactly to float32.
+#include <type_traits>
+
 #include "int_gemm.h"
 #include "kernels.h"
 
@@ -86,27 +88,36 @@ struct Q4Tiles {
 
 }  // namespace
 
+template <typename X, typename O>
+void q4_product(const X* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
+                const float* bias, O* out, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  if constexpr (std::is_same_v<X, uint16_t>) {
+    if (M >= kAmxQ4Rows && amx_available()) {
+      amx_q4_gemm(x, packed, scales, mins, bias, out, M, N, K, accumulate);
+      return;
+    }
+  }
+  kvloop::int_product(x, bias, out, M, N, K, accumulate, [&](const QuantRows& rows) {
+    return Q4Tiles{packed, scales, mins, rows, K, K / kGroup};
+  });
+}
+
+template void q4_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
+                         const float*, uint16_t*, int64_t, int64_t, int64_t, bool);
+template void q4_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
+                         const float*, float*, int64_t, int64_t, int64_t, bool);
+template void q4_product(const float*, const uint8_t*, const uint16_t*, const uint16_t*,
+                         const float*, float*, int64_t, int64_t, int64_t, bool);
+
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
                at::Tensor& out, bool accumulate) {
-  if (x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= kAmxQ4Rows &&
-      amx_available()) {
-    const float* b = kvloop::check_int_gemm("q4_linear", x, out, packed, at::kByte, 4,
-                                            {{scales, at::kHalf}, {mins, at::kHalf}}, bias);
-    kvloop::by_output_dtype(out, [&](auto* op) {
-      amx_q4_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), packed.data_ptr<uint8_t>(),
-                  static_cast<const uint16_t*>(scales.data_ptr()),
-                  static_cast<const uint16_t*>(mins.data_ptr()), b, op, x.size(0), out.size(1),
-                  x.size(1), accumulate);
-    });
-    return;
-  }
   kvloop::int_gemm("q4_linear", x, packed, at::kByte, 4,
-                   {{scales, at::kHalf}, {mins, at::kHalf}}, bias, out, accumulate,
-                   [&](const QuantRows& rows, int64_t K) {
-                     return Q4Tiles{packed.data_ptr<uint8_t>(),
-                                    static_cast<const uint16_t*>(scales.data_ptr()),
-                                    static_cast<const uint16_t*>(mins.data_ptr()), rows, K,
-                                    K / kGroup};
+                   {{scales, at::kHalf}, {mins, at::kHalf}}, bias, out,
+                   [&](const auto* xp, const float* b, auto* op) {
+                     q4_product(xp, packed.data_ptr<uint8_t>(),
+                                static_cast<const uint16_t*>(scales.data_ptr()),
+                                static_cast<const uint16_t*>(mins.data_ptr()), b, op, x.size(0),
+                                out.size(1), x.size(1), accumulate);
                    });
 }

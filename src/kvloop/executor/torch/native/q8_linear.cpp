@@ -67,9 +67,14 @@ struct Q8Tiles {
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {
   kvloop::int_gemm("q8_linear", x, packed, at::kChar, 8, {{scales, at::kHalf}}, bias, out,
-                   accumulate, [&](const QuantRows& rows, int64_t K) {
-                     return Q8Tiles{packed.data_ptr<int8_t>(),
-                                    static_cast<const uint16_t*>(scales.data_ptr()), rows, K,
-                                    K / kGroup};
+                   [&](const auto* xp, const float* b, auto* op) {
+                     const int64_t K = x.size(1);
+                     kvloop::int_product(xp, b, op, x.size(0), out.size(1), K, accumulate,
+                                         [&](const QuantRows& rows) {
+                                           return Q8Tiles{packed.data_ptr<int8_t>(),
+                                                          static_cast<const uint16_t*>(
+                                                              scales.data_ptr()),
+                                                          rows, K, K / kGroup};
+                                         });
                    });
 }
