@@ -31,8 +31,7 @@
 namespace {
 
 using kvloop::bias_data;
-using kvloop::by_activation_dtype;
-using kvloop::check_int_gemm;
+using kvloop::int_gemm;
 using kvloop::kGroup;
 using kvloop::kTile;
 using kvloop::V16;
@@ -372,16 +371,6 @@ void int_product(const X* x, const float* bias, O* out, int64_t M, int64_t N, in
                  bool accumulate, MakeTiles&& make_tiles) {
   const QuantRows rows = quantize_rows(x, M, K);
   store_tiles(make_tiles(rows), bias, out, M, N, accumulate);
-}
-
-// int_gemm.h's int_gemm over this file's int_product.
-template <typename Product>
-void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
-              at::ScalarType packed_type, int64_t bits,
-              std::initializer_list<kvloop::PerGroup> per_group,
-              const std::optional<at::Tensor>& bias, at::Tensor& out, Product&& product) {
-  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
-  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) { product(xp, b, op); });
 }
 
 }  // namespace

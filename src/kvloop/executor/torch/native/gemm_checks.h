@@ -98,6 +98,17 @@ inline const float* check_int_gemm(const char* name, const at::Tensor& x, const 
   return bias_data(name, bias, out);
 }
 
+// The body of an integer GEMM's entry point (both builds): checks x, out, the weights
+// (``packed``, ``bits`` per weight, and its per-(output, group) tensors) and the bias, then
+// ``product(x, bias, out)`` on their data (x and out typed by their dtypes).
+template <typename Product>
+void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
+              at::ScalarType packed_type, int64_t bits, std::initializer_list<PerGroup> per_group,
+              const std::optional<at::Tensor>& bias, at::Tensor& out, Product&& product) {
+  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
+  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) { product(xp, b, op); });
+}
+
 // The operands of a float GEMM ``name``: x and out of ``dtype`` (called ``dtype_name``), W
 // of ``dtype`` packed as ``shape`` (``layout`` names it in the error).
 inline void check_float_linear(const char* name, at::ScalarType dtype, const char* dtype_name,

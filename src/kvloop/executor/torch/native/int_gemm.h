@@ -154,15 +154,4 @@ void int_product(const X* x, const float* bias, O* out, int64_t M, int64_t N, in
   store_tiles(make_tiles(rows), bias, out, M, N, accumulate);
 }
 
-// The body of an integer GEMM's entry point: checks x, out, the weights (``packed``, ``bits``
-// per weight, and its per-(output, group) tensors) and the bias, then
-// ``product(x, bias, out)`` on their data (x and out typed by their dtypes).
-template <typename Product>
-void int_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed,
-              at::ScalarType packed_type, int64_t bits, std::initializer_list<PerGroup> per_group,
-              const std::optional<at::Tensor>& bias, at::Tensor& out, Product&& product) {
-  const float* b = check_int_gemm(name, x, out, packed, packed_type, bits, per_group, bias);
-  by_activation_dtype(name, x, out, [&](const auto* xp, auto* op) { product(xp, b, op); });
-}
-
 }  // namespace kvloop
