@@ -173,6 +173,33 @@ def test_decode_layers_refuses_bad_construction(change: dict[str, object], messa
         KERNELS.DecodeLayers(**_stack_args(**change))
 
 
+def test_decode_layers_refuses_a_layer_wider_than_x() -> None:
+    """Every layer's O and down write x's width: a wider one (here the second layer's) would
+    write past x, so it is refused when built."""
+    args = _stack_args(layers=2)
+    wide = list(native.pack_q4(torch.zeros(128, 64, dtype=torch.int32), torch.ones(128, 2),
+                               torch.zeros(128, 2)))
+    args["weights"] = [*args["weights"][:5], wide, args["weights"][6], wide]
+    with pytest.raises(RuntimeError, match="layer 1's matrix sizes"):
+        KERNELS.DecodeLayers(**args)
+
+
+def test_decode_layers_refuses_x_of_another_float_type_than_its_matrices() -> None:
+    """float32 matrices multiply float32 activations only (4-bit ones either)."""
+    shapes = [(128, 64), (64, 64), (128, 64), (64, 64)]
+    stack = KERNELS.DecodeLayers(
+        norms=[torch.ones(64)] * 2, kinds=[KERNELS.DecodeLayers.F32] * 4,
+        weights=[[native.pack_f32(torch.zeros(n, k))] for n, k in shapes], biases=[None] * 4,
+        num_heads=2, num_kv_heads=1, head_dim=32, intermediate=64)
+    cache = torch.zeros(2, 4, 16, 1, 32)
+    args = {"cos": torch.ones(1, 32), "sin": torch.zeros(1, 32), "caches": [cache],
+            "slots": torch.tensor([3]), "block_table": torch.tensor([[0]]),
+            "context_lens": torch.tensor([4]), "eps": 1e-5, "scale": 32 ** -0.5}
+    stack.run(torch.randn(1, 64), **args)  # float32 x runs
+    with pytest.raises(RuntimeError, match="for float32 matrices"):
+        stack.run(torch.randn(1, 64).to(BF16), **args)
+
+
 def test_decode_layers_refuses_bad_calls() -> None:
     stack = KERNELS.DecodeLayers(**_stack_args())
     cache = torch.zeros(2, 4, 16, 1, 32, dtype=BF16)

@@ -141,8 +141,10 @@ def load_model(
         model = cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
-    # NOTE: CPU tensors only; others stay
-    if move_to_huge_pages(model.streamed_tensors()) and model.decode_layers is not None:
-        # NOTE: DecodeLayers reads the weights where they were when it was built
+    # NOTE: DecodeLayers reads the weights where they were when built, and keeps that memory
+    # alive: dropped before the move (which frees each old copy as it goes), built again after.
+    had_decode_layers, model.decode_layers = model.decode_layers is not None, None
+    move_to_huge_pages(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
+    if had_decode_layers:
         model.decode_layers = model.build_decode_layers()
     return config, model

@@ -402,7 +402,9 @@ def decode_layers(norms: list[Tensor], matrices: list[tuple[str, list[Tensor], T
     in one call. ``norms``: each layer's input and post-attention norm weights; ``matrices``:
     each layer's QKV, O, gate/up and down as (kernel, weight tensors, float32 bias), the
     kernel ``bf16_linear``, ``f32_linear`` or ``q4_linear`` (all packed as ``[N/16, ...]``).
-    The object keeps references to the tensors."""
+    The object reads the matrices' memory as it was when built (and keeps it alive): values
+    changed in place are seen; tensors moved to other memory (``Tensor.set_``, as
+    :func:`~kvloop.executor.torch.huge_pages.move_to_huge_pages` does) are not: build a new one."""
     mod = kernels()
     kinds = {"bf16_linear": mod.DecodeLayers.BF16, "f32_linear": mod.DecodeLayers.F32,
              "q4_linear": mod.DecodeLayers.Q4}

@@ -46,9 +46,12 @@ DecodeLayers::DecodeLayers(std::vector<at::Tensor> norms, std::vector<int64_t> k
     mats_.push_back(Matrix{kinds[i], std::move(weights[i]), std::move(biases[i]), out_features});
   }
   for (size_t l = 0; l < n / 4; ++l) {
+    // NOTE: every layer's O and down write the hidden size (x's width): the products write
+    // their whole output, so a wider one would write past x.
     TORCH_CHECK(mats_[4 * l].out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_ &&
                     mats_[4 * l + 2].out_features == 2 * intermediate_ &&
-                    mats_[4 * l + 1].out_features == mats_[4 * l + 3].out_features,
+                    mats_[4 * l + 1].out_features == mats_[1].out_features &&
+                    mats_[4 * l + 3].out_features == mats_[1].out_features,
                 "DecodeLayers: layer ", l, "'s matrix sizes");
   }
   // NOTE: each product's operands are checked here, once, as its kernel's entry point checks
@@ -69,20 +72,24 @@ void DecodeLayers::check_matrix(size_t i, Matrix& m, int64_t in) const {
   const int64_t N = m.out_features;
   TORCH_CHECK(in % kvloop::kGroup == 0, "DecodeLayers: matrix ", i, "'s input size ", in,
               " is not a multiple of ", kvloop::kGroup);
-  auto dense = [&](const at::Tensor& t, at::ScalarType type, int64_t numel) {
-    TORCH_CHECK(t.scalar_type() == type && t.numel() == numel && t.is_contiguous() &&
+  // The packed layouts of q4_linear.cpp, bf16_linear.cpp and f32_linear.cpp.
+  const int64_t tiles = N / kvloop::kTile, groups = in / kvloop::kGroup;
+  auto dense = [&](const at::Tensor& t, at::ScalarType type, at::IntArrayRef shape) {
+    TORCH_CHECK(t.scalar_type() == type && t.sizes() == shape && t.is_contiguous() &&
                     t.device().is_cpu(),
                 "DecodeLayers: matrix ", i, "'s weights (", t.scalar_type(), " ", t.sizes(),
-                "): want ", numel, " contiguous CPU values of ", type);
+                "): want contiguous CPU ", type, " ", shape);
     m.data.push_back(t.data_ptr());
     m.keep.push_back(t.storage());
   };
   if (m.kind == kQ4) {
-    dense(m.w[0], at::kByte, N * in / 2);
-    dense(m.w[1], at::kHalf, N * in / kvloop::kGroup);
-    dense(m.w[2], at::kHalf, N * in / kvloop::kGroup);
+    dense(m.w[0], at::kByte, {tiles, groups, 256});
+    dense(m.w[1], at::kHalf, {tiles, groups, kvloop::kTile});
+    dense(m.w[2], at::kHalf, {tiles, groups, kvloop::kTile});
+  } else if (m.kind == kBf16) {
+    dense(m.w[0], at::kBFloat16, {tiles, in / 2, kvloop::kTile, 2});
   } else {
-    dense(m.w[0], m.kind == kBf16 ? at::kBFloat16 : at::kFloat, N * in);
+    dense(m.w[0], at::kFloat, {tiles, in, kvloop::kTile});
   }
   if (m.bias) {
     TORCH_CHECK(m.bias->scalar_type() == at::kFloat && m.bias->numel() == N &&
