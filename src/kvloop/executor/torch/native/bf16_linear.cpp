@@ -108,10 +108,8 @@ void bf16_product(const uint16_t* x, const uint16_t* packed, const float* bias, 
 #endif
 }
 
-template void bf16_product(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t,
-                           int64_t, int64_t, bool);
-template void bf16_product(const uint16_t*, const uint16_t*, const float*, float*, int64_t,
-                           int64_t, int64_t, bool);
+KVLOOP_BF16_PRODUCT(uint16_t);
+KVLOOP_BF16_PRODUCT(float);
 
 void bf16_linear(const at::Tensor& x, const at::Tensor& packed,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate) {

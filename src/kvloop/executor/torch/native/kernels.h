@@ -29,6 +29,13 @@ void bf16_product(const uint16_t* x, const uint16_t* packed, const float* bias, 
                   int64_t M, int64_t N, int64_t K, bool accumulate);
 void f32_product(const float* x, const float* packed, const float* bias, float* out, int64_t M,
                  int64_t N, int64_t K, bool accumulate);
+// The element types each build's definitions are instantiated for (one line per pair).
+#define KVLOOP_Q4_PRODUCT(X, O)                                                               \
+  template void q4_product(const X*, const uint8_t*, const uint16_t*, const uint16_t*,       \
+                           const float*, O*, int64_t, int64_t, int64_t, bool)
+#define KVLOOP_BF16_PRODUCT(O)                                                                \
+  template void bf16_product(const uint16_t*, const uint16_t*, const float*, O*, int64_t,     \
+                             int64_t, int64_t, bool)
 
 // The same with W in 8 bits (see q8_linear.cpp).
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

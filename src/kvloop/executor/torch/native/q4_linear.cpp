@@ -102,12 +102,9 @@ void q4_product(const X* x, const uint8_t* packed, const uint16_t* scales, const
   });
 }
 
-template void q4_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
-                         const float*, uint16_t*, int64_t, int64_t, int64_t, bool);
-template void q4_product(const uint16_t*, const uint8_t*, const uint16_t*, const uint16_t*,
-                         const float*, float*, int64_t, int64_t, int64_t, bool);
-template void q4_product(const float*, const uint8_t*, const uint16_t*, const uint16_t*,
-                         const float*, float*, int64_t, int64_t, int64_t, bool);
+KVLOOP_Q4_PRODUCT(uint16_t, uint16_t);
+KVLOOP_Q4_PRODUCT(uint16_t, float);
+KVLOOP_Q4_PRODUCT(float, float);
 
 void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const at::Tensor& mins, const std::optional<at::Tensor>& bias,
