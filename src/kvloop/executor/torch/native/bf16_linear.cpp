@@ -37,11 +37,14 @@ namespace {
 
 using kvloop::kTile;
 
-// W tiles a pass: 2 from 2 rows on (2 weight loads feed 2 R products), 1 for one row.
-// NOTE: a one-row pass only streams its weights, and one tile a pass reads each thread's
-// tiles as one sequential run of memory instead of two runs a tile apart: on the 2-core
-// Zen 4 VM the default model's decode step at batch 1 took 0.79-0.93x the time with two
-// (docs/native-kernels.md, fourteenth round). From 2 rows on, the shared loads count more.
+// W tiles a pass: 2 from 3 rows on (2 weight loads feed 2 R products), 1 for one or two rows.
+// NOTE: a pass of few rows only streams its weights, and one tile a pass reads each thread's
+// tiles as one sequential run of memory instead of two runs a tile apart. On the 2-core
+// Zen 4 VM, one tile a pass took 0.79-0.93x the time of two for the default model's decode
+// step at batch 1 (docs/native-kernels.md, fourteenth round), and 0.88-0.95x for its layers
+// at batch 2; at 3 and 4 rows it took 1.12x and 1.15x (seventeenth round). From 3 rows on,
+// the shared loads count more.
+constexpr int64_t kOneTileRows = 2;
 template <int W_>
 struct Bf16Tiles {
   const uint16_t* packed;
@@ -56,9 +59,14 @@ struct Bf16Tiles {
   // build free of it.
   template <int R, int W>
   __attribute__((target("avx512bf16"))) void rows(int64_t t, int64_t m0, __m512* acc) const {
-    // NOTE: independent sums per output vector, to cover vdpbf16ps's latency (2 at one row
-    // and one tile: 4 were slower in the standalone harness).
-    constexpr int U = W_ == 1 ? 2 : R * W >= 4 ? 1 : 4 / (R * W);
+    // NOTE: independent sums per output vector, to cover vdpbf16ps's latency: 4 with one
+    // tile a pass. With 2, the sums' chains (a vdpbf16ps every 3 cycles at best) held back
+    // the loads queued behind them: on the 2-core Zen 4 VM a one-row decode step's products
+    // took 1.37x the time of the same loads without arithmetic; with 4 chains 1.03x, and the
+    // default model's layers 0.69x the time they took with 2 (docs/native-kernels.md,
+    // seventeenth round; 8 and 16 chains were no faster). From cache, in the thirteenth
+    // round's standalone harness, 4 had been slower than 2: measure the loop from memory.
+    constexpr int U = W_ == 1 ? 4 : R * W >= 4 ? 1 : 4 / (R * W);
     const uint16_t* w = packed + t * K * kTile;
     const int64_t P = K / 2;
     __m512 part[U][R * W];
@@ -100,7 +108,7 @@ void bf16_product(const uint16_t* x, const uint16_t* packed, const float* bias, 
 #if KVLOOP_BF16
   if (M >= kAmxRows && amx_available()) {
     amx_bf16_gemm(x, packed, bias, out, M, N, K, accumulate);
-  } else if (M == 1) {
+  } else if (M <= kOneTileRows) {
     kvloop::store_tiles(Bf16Tiles<1>{packed, x, K}, bias, out, M, N, accumulate);
   } else {
     kvloop::store_tiles(Bf16Tiles<2>{packed, x, K}, bias, out, M, N, accumulate);
