@@ -346,7 +346,7 @@ template <typename T, typename Tiles>
 void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64_t N,
                  bool accumulate) {
   const int64_t tiles_n = N / kTile;
-  kvloop::parallel_for(0, tiles_n, 4, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_tiles(0, tiles_n, 4, [&](int64_t begin, int64_t end) {
     constexpr int RM = Tiles::kRows;
     __m256 acc[2 * RM];
     for (int64_t t = begin; t < end; ++t) {

@@ -22,7 +22,7 @@ using kvloop::V16;
 
 void f32_product(const float* x, const float* packed, const float* bias, float* out, int64_t M,
                  int64_t N, int64_t K, bool accumulate) {
-  kvloop::parallel_for(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_tiles(0, N / kTile, 4, [&](int64_t begin, int64_t end) {
     V16 acc[kF32Rows];
     for (int64_t t = begin; t < end; ++t) {
       const float* w = packed + t * K * kTile;

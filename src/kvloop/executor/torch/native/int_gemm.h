@@ -80,7 +80,7 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
   constexpr int W = Tiles::kWidth, RM = Tiles::kRows;
   const int64_t tiles_n = N / kTile;
   // NOTE: a grain of 4 tiles (64 outputs) still splits the smallest matrices over threads.
-  kvloop::parallel_for(0, (tiles_n + W - 1) / W, 4 / W, [&](int64_t begin, int64_t end) {
+  kvloop::parallel_tiles(0, (tiles_n + W - 1) / W, 4 / W, [&](int64_t begin, int64_t end) {
     __m512 acc[RM * W];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i * W;

@@ -7,8 +7,11 @@
 // NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md, fifteenth round): an empty
 // at::parallel_for cost 1.7-2.0 µs back to back, ~0.26 ms of a 4.2 ms one-row 4-bit step
 // (120 products, 30 attentions, the LM head).
+// kvloop::parallel_tiles (a product's tiles) lets a thread done with its share take pieces of
+// the others' (Team::split_shared).
 // NOTE: the shares are at::parallel_for's (the same chunks to the same thread numbers), so a
-// kernel computes the same bits in a team or not.
+// kernel computes the same bits in a team or not; parallel_tiles' ranges compute each index
+// alone, so which thread takes it does not change its bits either.
 // NOTE: no team where the threads outnumber the CPUs this process may run on: a spinning
 // thread would then hold the CPU a thread with work needs (a step 20-40x slower at 3 and 4
 // threads on 2 CPUs in review); the kernels then fork and join as before. The affinity mask
@@ -25,6 +28,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 
 namespace kvloop {
@@ -45,11 +49,23 @@ class Team {
   template <typename Fn>
   void split(int64_t begin, int64_t end, int64_t grain, const Fn& fn);
 
+  // split's shares, except that each thread takes its own in pieces (a quarter of what is
+  // left, at least one index) and, done with it, takes pieces from the back of the others'.
+  // For kernels whose result at an index does not depend on the thread that computes it.
+  template <typename Fn>
+  void split_shared(int64_t begin, int64_t end, int64_t grain, const Fn& fn);
+
  private:
   struct Job {
     void (*call)(const void* fn, int64_t begin, int64_t end) = nullptr;
     const void* fn = nullptr;
     int64_t begin = 0, end = 0, chunk = 0, shares = 0;
+    bool shared = false;  // split_shared's: shares claimed in pieces, the rest stolen
+  };
+
+  // What is left of a share of split_shared, [lo, hi) packed as lo << 32 | hi; a line each.
+  struct alignas(64) Left {
+    std::atomic<uint64_t> range{0};
   };
 
   // Spins until ``flag`` differs from ``seen`` (yielding the CPU after a while, so a thread
@@ -80,12 +96,87 @@ class Team {
     }
   }
 
+  // Takes a piece of share ``share``: from its front (its own thread) or its back. Returns
+  // false when none is left.
+  bool take(int64_t share, bool front, int64_t& b, int64_t& e) {
+    std::atomic<uint64_t>& range = left_[share].range;
+    uint64_t r = range.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(r >> 32), hi = static_cast<int64_t>(r & 0xffffffffu);
+      if (lo >= hi) return false;
+      const int64_t n = std::max<int64_t>(1, (hi - lo) / 4);
+      b = front ? lo : hi - n;
+      e = b + n;
+      const uint64_t next = front ? static_cast<uint64_t>(e) << 32 | static_cast<uint64_t>(hi)
+                                  : static_cast<uint64_t>(lo) << 32 | static_cast<uint64_t>(b);
+      if (range.compare_exchange_weak(r, next, std::memory_order_relaxed)) return true;
+    }
+  }
+
+  // split_shared's part of thread ``share``: its own share, then the others' backs.
+  void run_shared(int64_t share) {
+    try {
+      int64_t b = 0, e = 0;
+      if (share < job_.shares)
+        while (take(share, true, b, e)) job_.call(job_.fn, b, e);
+      for (int64_t k = 1; k < job_.shares; ++k) {
+        const int64_t other = (share + k) % job_.shares;
+        while (take(other, false, b, e)) job_.call(job_.fn, b, e);
+      }
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+
+  // NOTE: at::parallel_for's shares: as many threads as grains (at most the team), each a
+  // run of ceil(range / threads).
+  int64_t share_count(int64_t range, int64_t grain) const {
+    const int64_t per = std::max<int64_t>(grain, 1);
+    return std::min<int64_t>(size_, (range + per - 1) / per);
+  }
+
+  template <typename Fn>
+  static Job job_of(const Fn& fn, int64_t begin, int64_t end, int64_t shares, bool shared) {
+    return Job{[](const void* f, int64_t b, int64_t e) { (*static_cast<const Fn*>(f))(b, e); },
+               &fn, begin, end, (end - begin + shares - 1) / shares, shares, shared};
+  }
+
+  // Hands ``job`` to the waiting threads, runs the lead's part, waits for every other part
+  // and rethrows the first exception.
+  void dispatch(const Job& job) {
+    job_ = job;
+    const int64_t target = done_.load(std::memory_order_relaxed) + (size_ - 1);
+    generation_.fetch_add(1, std::memory_order_release);
+    // NOTE: not the team's lead while running its part: a parallel_for inside the job then
+    // runs serially (as at::parallel_for inside a parallel region), not as a second job.
+    led_ = nullptr;
+    if (job.shared) {
+      run_shared(0);
+    } else {
+      run_share(0);
+    }
+    led_ = this;
+    // NOTE: every part is waited for, thrown or not: the job's frames outlive its parts.
+    for (int64_t seen = done_.load(std::memory_order_acquire); seen != target;)
+      seen = wait_change(done_, seen);
+    if (error_) {
+      std::exception_ptr error = nullptr;
+      std::swap(error, error_);
+      std::rethrow_exception(error);
+    }
+  }
+
   void serve(int64_t tid) {
     uint64_t seen = 0;
     for (;;) {
       seen = wait_change(generation_, seen);
       if (quit_) return;
-      run_share(tid);
+      if (job_.shared) {
+        run_shared(tid);
+      } else {
+        run_share(tid);
+      }
       done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
@@ -101,6 +192,7 @@ class Team {
 
   int64_t size_ = 1;
   Job job_;
+  std::unique_ptr<Left[]> left_;  // one per thread
   bool quit_ = false;
   std::mutex error_mutex_;
   std::exception_ptr error_;  // a share's exception, rethrown by split on the lead
@@ -125,6 +217,7 @@ int64_t Team::run(Lead&& lead) {
       // is read (each reads generation_ only after it has started), and the size is the
       // region's real one (OpenMP may give fewer threads than asked).
       team.size_ = omp_get_num_threads();
+      team.left_ = std::make_unique<Left[]>(team.size_);
       led_ = &team;
       try {
         lead();
@@ -145,32 +238,29 @@ int64_t Team::run(Lead&& lead) {
 template <typename Fn>
 void Team::split(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   if (begin >= end) return;
-  // NOTE: at::parallel_for's shares: as many threads as grains (at most the team), each a
-  // run of ceil(range / threads).
-  const int64_t range = end - begin;
-  const int64_t per = std::max<int64_t>(grain, 1);
-  const int64_t shares = std::min<int64_t>(size_, (range + per - 1) / per);
+  const int64_t shares = share_count(end - begin, grain);
   if (shares <= 1) {
     fn(begin, end);
     return;
   }
-  job_ = Job{[](const void* f, int64_t b, int64_t e) { (*static_cast<const Fn*>(f))(b, e); },
-             &fn, begin, end, (range + shares - 1) / shares, shares};
-  const int64_t target = done_.load(std::memory_order_relaxed) + (size_ - 1);
-  generation_.fetch_add(1, std::memory_order_release);
-  // NOTE: not the team's lead while running share 0: a parallel_for inside the job then
-  // runs serially (as at::parallel_for inside a parallel region), not as a second job.
-  led_ = nullptr;
-  run_share(0);
-  led_ = this;
-  // NOTE: every share is waited for, thrown or not: the job's frames outlive its shares.
-  for (int64_t seen = done_.load(std::memory_order_acquire); seen != target;)
-    seen = wait_change(done_, seen);
-  if (error_) {
-    std::exception_ptr error = nullptr;
-    std::swap(error, error_);
-    std::rethrow_exception(error);
+  dispatch(job_of(fn, begin, end, shares, false));
+}
+
+template <typename Fn>
+void Team::split_shared(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  const int64_t shares = begin < end ? share_count(end - begin, grain) : 0;
+  // NOTE: a share's bounds are packed in 32 bits each.
+  if (shares <= 1 || begin < 0 || end >= (int64_t{1} << 31)) {
+    split(begin, end, grain, fn);
+    return;
   }
+  const Job job = job_of(fn, begin, end, shares, true);
+  for (int64_t s = 0; s < shares; ++s) {
+    const int64_t b = std::min(end, begin + s * job.chunk), e = std::min(end, b + job.chunk);
+    left_[s].range.store(static_cast<uint64_t>(b) << 32 | static_cast<uint64_t>(e),
+                         std::memory_order_relaxed);
+  }
+  dispatch(job);
 }
 
 // at::parallel_for, or inside a team (Team::run) its handshake: the kernels' one entry to
@@ -179,6 +269,22 @@ template <typename Fn>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   if (Team* team = Team::current()) {
     team->split(begin, end, grain, fn);
+  } else {
+    at::parallel_for(begin, end, grain, fn);
+  }
+}
+
+// parallel_for for a product's tiles, or any range whose result at an index does not depend
+// on the thread that computes it: inside a team, Team::split_shared, so that a thread that
+// falls behind (descheduled, or slower to get its bytes) has the rest of its share taken.
+// NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md, seventeenth round): in one
+// process, a one-row decode step's layers 0.95x the time of split's fixed shares in
+// bfloat16, 0.975x in int4; served (where the HTTP side and the client take CPU time during
+// the steps), a bfloat16 step of one stream 8.2-8.6 ms against 9.4-11.7.
+template <typename Fn>
+inline void parallel_tiles(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  if (Team* team = Team::current()) {
+    team->split_shared(begin, end, grain, fn);
   } else {
     at::parallel_for(begin, end, grain, fn);
   }
