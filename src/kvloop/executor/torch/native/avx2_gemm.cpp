@@ -97,9 +97,10 @@ QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
 // non-temporal: weights are read once a step, so they bypass the outer caches instead of
 // evicting what a step reuses (activations, KV blocks); on Zen 1 that made one-row products
 // 5-20 % faster than the same prefetch into every level (docs/native-kernels.md, eighth round).
-// NOTE: a tile's groups, and the tiles a thread takes, follow one another in memory, so
-// reading a few groups ahead of the current one also covers the start of the next tile;
-// past the end of a matrix a prefetch is a no-op (it never faults).
+// NOTE: a tile's groups, and the tiles of a thread's own share, follow one another in
+// memory, so reading a few groups ahead of the current one also covers the start of the next
+// tile (pieces taken from the back of another share, team.h, start cold); past the end of a
+// matrix a prefetch is a no-op (it never faults).
 template <int bytes>
 inline void prefetch(const void* p) {
   for (int i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_NTA);
@@ -275,8 +276,9 @@ struct Bf16Tiles {
   void rows(int64_t t, int64_t m0, __m256* acc) const {
     const uint16_t* w = packed + t * K * kTile;
     if (M <= kWidenRows) return widening_rows<R>(w, m0, acc);
-    // NOTE: store_tiles runs a tile's passes in order (m0 = 0, 4, ...) on one thread, so
-    // the copy the first pass makes is this tile's in the later ones.
+    // NOTE: store_tiles runs a tile's passes in order (m0 = 0, 4, ...) on one thread, in one
+    // call (parallel_tiles never cuts a tile), so the copy the first pass makes is this
+    // tile's in the later ones.
     float* wf = thread_scratch(K * kTile);
     if (m0 == 0) widen(w, wf);
     V16 v[R];

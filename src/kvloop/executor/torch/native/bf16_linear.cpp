@@ -52,7 +52,9 @@ struct Bf16Tiles {
   int64_t K;
 
   static constexpr int kWidth = W_;
-  static constexpr int kRows = 8;   // rows per pass: 16 sums, 2 weight and 8 row registers
+  // Rows per pass: two tiles, 8 rows (16 sums, 2 weight and 8 row registers); one tile,
+  // the rows it serves (4 sums a row: more would spill, and only kOneTileRows come here).
+  static constexpr int kRows = W_ == 1 ? kOneTileRows : 8;
 
   // NOTE: only this function needs AVX-512 BF16 (checked by the caller, as the CPUs with
   // VNNI but without BF16 run the other kernels); a target attribute keeps the rest of the
@@ -72,7 +74,8 @@ struct Bf16Tiles {
     __m512 part[U][R * W];
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < R * W; ++i) part[u][i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < P; p += U) {  // NOTE: K % 32 == 0 (check_gemm), so U divides P
+    // NOTE: K % 32 == 0 (check_gemm; DecodeLayers::check_matrix), so U divides P
+    for (int64_t p = 0; p < P; p += U) {
       for (int u = 0; u < U; ++u) {
         __m512bh wv[W];
         for (int j = 0; j < W; ++j) {

@@ -126,9 +126,10 @@ inline const bool kPrefetchToL2 = [] {
 // hardware prefetchers alone kept its reads at 60-80 % of a plain sum's bandwidth, on the
 // Sapphire Rapids VM and on the Zen 4 one, and asking for the bytes 2-4 KiB ahead brought
 // them to 85-100 % and 75-100 % (docs/native-kernels.md, twelfth and thirteenth rounds).
-// A tile's groups, and the tiles a thread takes, follow one another in memory, so reading
-// ahead also covers the start of the next tile; past the end of a matrix a prefetch is a
-// no-op (it never faults).
+// A tile's groups, and the tiles of a thread's own share, follow one another in memory, so
+// reading ahead also covers the start of the next tile (pieces taken from the back of another
+// share, team.h, start cold); past the end of a matrix a prefetch is a no-op (it never
+// faults).
 inline void prefetch_ahead(const void* p, int64_t ahead, int64_t bytes) {
   const char* c = static_cast<const char*>(p) + ahead;
   if (kPrefetchToL2) {

@@ -51,7 +51,9 @@ class Team {
 
   // split's shares, except that each thread takes its own in pieces (a quarter of what is
   // left, at least one index) and, done with it, takes pieces from the back of the others'.
-  // For kernels whose result at an index does not depend on the thread that computes it.
+  // A thread's part of a job is then its pieces of any share. For ranges whose every index
+  // is computed alone: the same whichever thread takes it and wherever the range is cut
+  // (nothing carried from one index to the next within a call of fn).
   template <typename Fn>
   void split_shared(int64_t begin, int64_t end, int64_t grain, const Fn& fn);
 
@@ -113,15 +115,15 @@ class Team {
     }
   }
 
-  // split_shared's part of thread ``share``: its own share, then the others' backs.
-  void run_shared(int64_t share) {
+  // split_shared's part for thread ``tid``: its own share from the front (if it has one),
+  // then the others' from their backs.
+  void run_shared(int64_t tid) {
     try {
       int64_t b = 0, e = 0;
-      if (share < job_.shares)
-        while (take(share, true, b, e)) job_.call(job_.fn, b, e);
-      for (int64_t k = 1; k < job_.shares; ++k) {
-        const int64_t other = (share + k) % job_.shares;
-        while (take(other, false, b, e)) job_.call(job_.fn, b, e);
+      for (int64_t k = 0; k < job_.shares; ++k) {
+        const int64_t share = (tid + k) % job_.shares;
+        const bool own = share == tid;
+        while (take(share, own, b, e)) job_.call(job_.fn, b, e);
       }
     } catch (...) {
       const std::lock_guard<std::mutex> lock(error_mutex_);
@@ -195,9 +197,10 @@ class Team {
   std::unique_ptr<Left[]> left_;  // one per thread
   bool quit_ = false;
   std::mutex error_mutex_;
-  std::exception_ptr error_;  // a share's exception, rethrown by split on the lead
+  std::exception_ptr error_;  // a part's first exception, rethrown by dispatch on the lead
   alignas(64) std::atomic<uint64_t> generation_{0};  // bumped once a job (or quit_) is set
-  alignas(64) std::atomic<int64_t> done_{0};         // shares finished by the waiting threads
+  alignas(64) std::atomic<int64_t> done_{0};  // parts finished by the waiting threads (one
+                                              // a thread a job)
 };
 
 template <typename Lead>
@@ -208,6 +211,9 @@ int64_t Team::run(Lead&& lead) {
     return 1;
   }
   Team team;
+  // NOTE: allocated before the region (which may have fewer threads, never more): nothing
+  // that can throw runs in it outside lead()'s try.
+  team.left_ = std::make_unique<Left[]>(threads);
   std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
   {
@@ -217,7 +223,6 @@ int64_t Team::run(Lead&& lead) {
       // is read (each reads generation_ only after it has started), and the size is the
       // region's real one (OpenMP may give fewer threads than asked).
       team.size_ = omp_get_num_threads();
-      team.left_ = std::make_unique<Left[]>(team.size_);
       led_ = &team;
       try {
         lead();
