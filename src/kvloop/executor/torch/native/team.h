@@ -268,8 +268,8 @@ void Team::split_shared(int64_t begin, int64_t end, int64_t grain, const Fn& fn)
   dispatch(job);
 }
 
-// at::parallel_for, or inside a team (Team::run) its handshake: the kernels' one entry to
-// threads.
+// at::parallel_for, or inside a team (Team::run) its handshake: the kernels' entry to
+// threads (with parallel_tiles).
 template <typename Fn>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   if (Team* team = Team::current()) {
@@ -279,8 +279,8 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn
   }
 }
 
-// parallel_for for a product's tiles, or any range whose result at an index does not depend
-// on the thread that computes it: inside a team, Team::split_shared, so that a thread that
+// parallel_for for a product's tiles, or any range whose every index is computed alone (see
+// Team::split_shared): inside a team, the shares are taken in pieces, so that a thread that
 // falls behind (descheduled, or slower to get its bytes) has the rest of its share taken.
 // NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md, seventeenth round): in one
 // process, a one-row decode step's layers 0.95x the time of split's fixed shares in
@@ -288,11 +288,9 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn
 // the steps), a bfloat16 step of one stream 8.2-8.6 ms against 9.4-11.7.
 template <typename Fn>
 inline void parallel_tiles(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
-  if (Team* team = Team::current()) {
-    team->split_shared(begin, end, grain, fn);
-  } else {
-    at::parallel_for(begin, end, grain, fn);
-  }
+  Team* team = Team::current();
+  if (team == nullptr) return parallel_for(begin, end, grain, fn);  // NOTE: no team here
+  team->split_shared(begin, end, grain, fn);
 }
 
 }  // namespace kvloop
