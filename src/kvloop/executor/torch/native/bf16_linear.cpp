@@ -13,15 +13,8 @@
 #include "gemm_checks.h"
 #include "kernels.h"
 
-// NOTE: compilers before GCC 10 and Clang 9 lack the AVX-512 BF16 intrinsics, and the AVX2
-// build (no -mavx512f) cannot use them: there the kernel is left out (bf16_available() is
-// false) and the other kernels still build.
-#if defined(__AVX512F__) && ((defined(__clang__) && __clang_major__ >= 9) || \
-                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
-#define KVLOOP_BF16 1
+#if KVLOOP_BF16
 #include "int_gemm.h"
-#else
-#define KVLOOP_BF16 0
 #endif
 
 bool bf16_available() {

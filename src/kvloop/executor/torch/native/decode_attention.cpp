@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "attention_dispatch.h"
@@ -56,6 +57,22 @@ constexpr int64_t kTasksPerThread = 4;  // below this many tasks a thread, conte
 constexpr int64_t kMinPart = 128;       // slots of a context's part, at least
 constexpr int64_t kMaxParts = 64;       // parts of one context, at most
 
+// The GH * N dot products whose lanes are summed in acc, times ``scale``, to
+// s[g * ld + j]: four sums at a time (padded with zeros).
+template <int GH, int N>
+inline void store_scores(const V16 (&acc)[GH][N], float* s, int64_t ld, float scale) {
+  constexpr int M = (GH * N + 3) / 4 * 4;
+  alignas(16) float sums[M];
+  KVLOOP_UNROLL for (int m = 0; m < M; m += 4) {
+    V16 four[4];
+    KVLOOP_UNROLL for (int r = 0; r < 4; ++r)
+      four[r] = m + r < GH * N ? acc[(m + r) / N][(m + r) % N] : vzero();
+    _mm_store_ps(sums + m, kvloop::hsum4(four[0], four[1], four[2], four[3]));
+  }
+  KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
+    KVLOOP_UNROLL for (int j = 0; j < N; ++j) s[g * ld + j] = sums[g * N + j] * scale;
+}
+
 // Scores of GH query heads sharing one KV head (qh: their scaled float32 rows, D apart)
 // against N keys: s[g * ld + j] = q_g . k[j]. Each key's 16 values are loaded once for the GH
 // heads.
@@ -74,17 +91,7 @@ inline void score_tile(const float* qh, const T* const* k, float* s, int64_t ld)
         acc[g][j] = vfmadd(vloadu(qh + g * D + 16 * i), kj, acc[g][j]);
     }
   }
-  // The GH * N sums, four at a time (padded with zeros), then each to its row.
-  constexpr int M = (GH * N + 3) / 4 * 4;
-  alignas(16) float sums[M];
-  KVLOOP_UNROLL for (int m = 0; m < M; m += 4) {
-    V16 four[4];
-    KVLOOP_UNROLL for (int r = 0; r < 4; ++r)
-      four[r] = m + r < GH * N ? acc[(m + r) / N][(m + r) % N] : vzero();
-    _mm_store_ps(sums + m, kvloop::hsum4(four[0], four[1], four[2], four[3]));
-  }
-  KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
-    KVLOOP_UNROLL for (int j = 0; j < N; ++j) s[g * ld + j] = sums[g * N + j];
+  store_scores<GH, N>(acc, s, ld, 1.0f);
 }
 
 // All G query heads of one KV head against N keys, kHeads heads at a time.
@@ -97,6 +104,100 @@ inline void score_heads(const float* qh, const T* const* k, float* s, int64_t ld
     score_tile<T, ND, kHeads, N>(qh + g * D, k, s + g * ld, ld);
   if (G - g == 2) score_tile<T, ND, 2, N>(qh + g * D, k, s + g * ld, ld);
   if (G - g == 1) score_tile<T, ND, 1, N>(qh + g * D, k, s + g * ld, ld);
+}
+
+#if KVLOOP_BF16
+// score_tile for a bfloat16 cache with AVX-512 BF16: the raw bfloat16 query rows (qh, D apart)
+// against the keys as stored, 32 products a vdpbf16ps, each sum times ``scale`` at the end.
+// NOTE: the products are exact in float32, as in score_tile (which scales q first: exactly
+// for a power-of-two scale such as 1/8 at D = 64); only the order of the float32 sums differs,
+// and vdpbf16ps reads bfloat16 subnormals as zero. Half score_tile's multiply-adds, and none
+// of its widenings of the keys: on the 2-core Zen 4 VM the scores pass took 0.86x the time at
+// 32 sequences of ~150 slots (docs/native-kernels.md, eighteenth round).
+template <int ND, int GH, int N>
+__attribute__((target("avx512bf16"))) inline void score_tile_dp(
+    const uint16_t* qh, const uint16_t* const* k, float* s, int64_t ld, float scale) {
+  constexpr int64_t D = ND * 16;
+  static_assert(ND % 2 == 0, "32 values a vdpbf16ps");
+  V16 acc[GH][N];
+  KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
+    KVLOOP_UNROLL for (int j = 0; j < N; ++j) acc[g][j] = vzero();
+  KVLOOP_UNROLL for (int i = 0; i < ND / 2; ++i) {
+    KVLOOP_UNROLL for (int j = 0; j < N; ++j) {
+      const __m512bh kj = (__m512bh)_mm512_loadu_si512(k[j] + 32 * i);
+      KVLOOP_UNROLL for (int g = 0; g < GH; ++g) {
+        const __m512bh qg = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * i);
+        acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qg, kj);
+      }
+    }
+  }
+  store_scores<GH, N>(acc, s, ld, scale);
+}
+
+// score_heads with score_tile_dp.
+template <int ND, int N>
+__attribute__((target("avx512bf16"))) inline void score_heads_dp(
+    const uint16_t* qh, const uint16_t* const* k, float* s, int64_t ld, int64_t G, float scale) {
+  constexpr int64_t D = ND * 16;
+  int64_t g = 0;
+  for (; g + kHeads <= G; g += kHeads)
+    score_tile_dp<ND, kHeads, N>(qh + g * D, k, s + g * ld, ld, scale);
+  if (G - g == 2) score_tile_dp<ND, 2, N>(qh + g * D, k, s + g * ld, ld, scale);
+  if (G - g == 1) score_tile_dp<ND, 1, N>(qh + g * D, k, s + g * ld, ld, scale);
+}
+
+// score_heads_dp for n keys: kKeys together, or fewer one at a time.
+template <int ND>
+__attribute__((target("avx512bf16"))) void score_keys_dp(
+    const uint16_t* qh, const uint16_t* const* k, int64_t n, float* s, int64_t ld, int64_t G,
+    float scale) {
+  if (n == kKeys) {
+    score_heads_dp<ND, kKeys>(qh, k, s, ld, G, scale);
+  } else {
+    for (int64_t j = 0; j < n; ++j) score_heads_dp<ND, 1>(qh, k + j, s + j, ld, G, scale);
+  }
+}
+#endif
+
+// The scores pass of a task over its L slots (offs) and nkv KV heads, kKeys keys at a time:
+// s[(h * G + g) * ld + t] = q_(h, g) . k_h[t] times scale, with score_heads from qf (the query
+// heads' scaled float32 rows) or, where ``dp``, score_keys_dp from q (their raw rows).
+template <typename T, int ND>
+void score_pass(bool dp, const T* q, const float* qf, const T* k_base, const T* v_base,
+                const int64_t* offs, int64_t L, int64_t nkv, int64_t G, int64_t ld, float scale,
+                float* sc) {
+  constexpr int64_t D = ND * 16;
+  const int64_t span = nkv * D * static_cast<int64_t>(sizeof(T));  // bytes of a slot read
+  for (int64_t t = 0; t < L; t += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, L - t);
+    for (int64_t a = t + kAhead; a < std::min(t + kAhead + n, L); ++a) {
+      const char* kl = reinterpret_cast<const char*>(k_base + offs[a]);
+      const char* vl = reinterpret_cast<const char*>(v_base + offs[a]);
+      for (int64_t i = 0; i < span; i += 64) {
+        _mm_prefetch(kl + i, _MM_HINT_T0);
+        _mm_prefetch(vl + i, _MM_HINT_T1);
+      }
+    }
+    for (int64_t h = 0; h < nkv; ++h) {
+      const T* k[kKeys];
+      for (int64_t j = 0; j < n; ++j) k[j] = k_base + offs[t + j] + h * D;
+      float* s = sc + h * G * ld + t;
+#if KVLOOP_BF16
+      if constexpr (std::is_same_v<T, uint16_t> && ND % 2 == 0) {
+        if (dp) {
+          score_keys_dp<ND>(q + h * G * D, k, n, s, ld, G, scale);
+          continue;
+        }
+      }
+#endif
+      const float* qh = qf + h * G * D;
+      if (n == kKeys) {
+        score_heads<T, ND, kKeys>(qh, k, s, ld, G);
+      } else {
+        for (int64_t j = 0; j < n; ++j) score_heads<T, ND, 1>(qh, k + j, s + j, ld, G);
+      }
+    }
+  }
 }
 
 // Output values [16 c, 16 (c + NV)) of GH query heads sharing one KV head: the sum over slots
@@ -142,13 +243,13 @@ inline void output_heads(const T* v_base, const int64_t* offs, int64_t L, const 
 template <typename T, int ND, typename O>
 void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, int64_t row,
             const int64_t* blocks, int64_t t0, int64_t t1, int64_t h0, int64_t h1, int64_t G,
-            float scale, float* qf, float* sc, int64_t* offs, O* out, float* m_out,
+            float scale, bool dp, float* qf, float* sc, int64_t* offs, O* out, float* m_out,
             float* l_out) {
   constexpr int64_t D = ND * 16;
   const int64_t L = t1 - t0;                  // slots read
   const int64_t nkv = h1 - h0, nh = nkv * G;  // KV heads and query heads of this task
   const int64_t ld = L + 16;                  // score row stride (room for a masked tail)
-  for (int64_t j = 0; j < nh; ++j)
+  for (int64_t j = 0; j < nh && !dp; ++j)
     for (int i = 0; i < ND; ++i)
       kvloop::vstoreu(qf + j * D + 16 * i,
                       vmul(load16_unordered(q + j * D + 16 * i), vset1(scale)));
@@ -157,29 +258,7 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
   for (int64_t t = 0, blk = t0 / block_size, r = t0 % block_size; t < L; ++blk, r = 0)
     for (; r < block_size && t < L; ++r, ++t)
       offs[t] = (blocks[blk] * block_size + r) * row + h0 * D;
-  const int64_t span = nkv * D * static_cast<int64_t>(sizeof(T));  // bytes of a slot read
-  for (int64_t t = 0; t < L; t += kKeys) {
-    const int64_t n = std::min<int64_t>(kKeys, L - t);
-    for (int64_t a = t + kAhead; a < std::min(t + kAhead + n, L); ++a) {
-      const char* kl = reinterpret_cast<const char*>(k_base + offs[a]);
-      const char* vl = reinterpret_cast<const char*>(v_base + offs[a]);
-      for (int64_t i = 0; i < span; i += 64) {
-        _mm_prefetch(kl + i, _MM_HINT_T0);
-        _mm_prefetch(vl + i, _MM_HINT_T1);
-      }
-    }
-    for (int64_t h = 0; h < nkv; ++h) {
-      const T* k[kKeys];
-      for (int64_t j = 0; j < n; ++j) k[j] = k_base + offs[t + j] + h * D;
-      const float* qh = qf + h * G * D;
-      float* s = sc + h * G * ld + t;
-      if (n == kKeys) {
-        score_heads<T, ND, kKeys>(qh, k, s, ld, G);
-      } else {
-        for (int64_t j = 0; j < n; ++j) score_heads<T, ND, 1>(qh, k + j, s + j, ld, G);
-      }
-    }
-  }
+  score_pass<T, ND>(dp, q, qf, k_base, v_base, offs, L, nkv, G, ld, scale, sc);
   float inv_sum[kMaxHeads];
   for (int64_t j = 0; j < nh; ++j) {
     float* s = sc + j * ld;
@@ -251,6 +330,14 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   constexpr int64_t D = ND * 16;
   const int64_t G = H / KV;
   const int64_t row = KV * D;  // elements per cache slot
+  // NOTE: a bfloat16 cache's scores through vdpbf16ps where the CPU has it (score_tile_dp).
+  // Not bf16_available(), which the AVX2 build answers for its own bfloat16 products.
+#if KVLOOP_BF16
+  static const bool vdpbf16ps = __builtin_cpu_supports("avx512bf16");
+#else
+  constexpr bool vdpbf16ps = false;
+#endif
+  const bool dp = vdpbf16ps && std::is_same_v<T, uint16_t> && ND % 2 == 0;
   const T* v_base = cache + num_blocks * block_size * row;
   // NOTE: torch's thread count, in a team or not (a team may have fewer): the same plan, so
   // the same bits, as the Python loop's call.
@@ -299,12 +386,12 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
       const int64_t h1 = t.h0 + heads_per_task;
       if (t.part < 0) {
         attend<T, ND>(qt, cache, v_base, block_size, row, blocks, t.t0, t.t1, t.h0, h1, G, scale,
-                      qf.data(), sc.data(), offs.data(), out + (t.b * H + head) * D,
+                      dp, qf.data(), sc.data(), offs.data(), out + (t.b * H + head) * D,
                       static_cast<float*>(nullptr), static_cast<float*>(nullptr));
       } else {
         const int64_t at = t.part * H + head;
         attend<T, ND>(qt, cache, v_base, block_size, row, blocks, t.t0, t.t1, t.h0, h1, G, scale,
-                      qf.data(), sc.data(), offs.data(), po.data() + at * D, pm.data() + at,
+                      dp, qf.data(), sc.data(), offs.data(), po.data() + at * D, pm.data() + at,
                       pl.data() + at);
       }
     }

@@ -41,6 +41,16 @@ void f32_product(const float* x, const float* packed, const float* bias, float* 
 void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
+// NOTE: compilers before GCC 10 and Clang 9 lack the AVX-512 BF16 intrinsics, and the AVX2
+// build (no -mavx512f) cannot use them: there the kernels' vdpbf16ps loops are left out
+// (bf16_available() is false) and the rest still builds.
+#if defined(__AVX512F__) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+#define KVLOOP_BF16 1
+#else
+#define KVLOOP_BF16 0
+#endif
+
 // Whether bf16_linear runs here (the CPU has AVX-512 BF16 and the compiler had it).
 bool bf16_available();
 // The same with W and x in bfloat16 (see bf16_linear.cpp; needs bf16_available()).
