@@ -5,7 +5,9 @@
 // with fewer still, one; the threads take the tasks longest first from a shared counter. A
 // task reads its slots in three passes, nothing gathered into a copy:
 //   scores   kKeys slots at a time (all of the task's KV heads of a slot: one contiguous run
-//            of the cache), each key's values loaded once for kHeads query heads;
+//            of the cache), each key's values loaded once for kHeads query heads (a
+//            bfloat16 cache on a CPU with AVX-512 BF16: vdpbf16ps on the raw query and key
+//            values, the scale applied to each sum; score_tile_dp);
 //   softmax  per query head over its row of scores;
 //   output   per KV head and 16 (AVX-512: 32) output values, up to kHeads query heads at a
 //            time, every slot's V values broadcast-weighted by their probabilities.
@@ -18,8 +20,9 @@
 //
 // NOTE: float32 arithmetic for float32 and bfloat16 caches alike; each output is rounded once
 // to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
-// Queries, keys, values and outputs all go through simd.h's *_unordered loads and stores:
-// every sum is lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8
+// Queries, keys, values and outputs all go through simd.h's *_unordered loads and stores
+// (except score_tile_dp's raw loads, queries and keys in the same order): every sum is
+// lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8
 // values instead of a widening load and a shift; the kernel 4-16 % faster on Zen 1).
 #include <algorithm>
 #include <atomic>
@@ -106,13 +109,19 @@ inline void score_heads(const float* qh, const T* const* k, float* s, int64_t ld
   if (G - g == 1) score_tile<T, ND, 1, N>(qh + g * D, k, s + g * ld, ld);
 }
 
+// Whether a cache of T with head size 16 * ND has score_tile_dp's scores where the CPU has
+// AVX-512 BF16 (attend then skips the float32 query copy score_tile reads).
+template <typename T, int ND>
+constexpr bool kDpShape = KVLOOP_BF16 && std::is_same_v<T, uint16_t> && ND % 2 == 0;
+
 #if KVLOOP_BF16
 // score_tile for a bfloat16 cache with AVX-512 BF16: the raw bfloat16 query rows (qh, D apart)
 // against the keys as stored, 32 products a vdpbf16ps, each sum times ``scale`` at the end.
-// NOTE: the products are exact in float32, as in score_tile (which scales q first: exactly
-// for a power-of-two scale such as 1/8 at D = 64); only the order of the float32 sums differs,
-// and vdpbf16ps reads bfloat16 subnormals as zero. Half score_tile's multiply-adds, and none
-// of its widenings of the keys: on the 2-core Zen 4 VM the scores pass took 0.86x the time at
+// NOTE: exact products, float32 sums in another order than score_tile's, and the scale
+// applied to each sum instead of to q first (the same for a power-of-two scale such as 1/8
+// at D = 64; one rounding fewer otherwise); vdpbf16ps flushes subnormal inputs, products and
+// partial sums to zero. Half score_tile's multiply-adds, and none of its widenings of the
+// keys: on the 2-core Zen 4 VM the scores pass took 0.86x the time at
 // 32 sequences of ~150 slots (docs/native-kernels.md, eighteenth round).
 template <int ND, int GH, int N>
 __attribute__((target("avx512bf16"))) inline void score_tile_dp(
@@ -135,11 +144,14 @@ __attribute__((target("avx512bf16"))) inline void score_tile_dp(
 }
 
 // score_heads with score_tile_dp.
+// NOTE: score_heads' and score_pass' loops over again, not shared templates: code that calls
+// vdpbf16ps must carry the target attribute all the way down to be inlined.
 template <int ND, int N>
 __attribute__((target("avx512bf16"))) inline void score_heads_dp(
     const uint16_t* qh, const uint16_t* const* k, float* s, int64_t ld, int64_t G, float scale) {
   constexpr int64_t D = ND * 16;
   int64_t g = 0;
+  static_assert(kHeads == 3, "the remainders below are 1 and 2 query heads");
   for (; g + kHeads <= G; g += kHeads)
     score_tile_dp<ND, kHeads, N>(qh + g * D, k, s + g * ld, ld, scale);
   if (G - g == 2) score_tile_dp<ND, 2, N>(qh + g * D, k, s + g * ld, ld, scale);
@@ -183,7 +195,7 @@ void score_pass(bool dp, const T* q, const float* qf, const T* k_base, const T* 
       for (int64_t j = 0; j < n; ++j) k[j] = k_base + offs[t + j] + h * D;
       float* s = sc + h * G * ld + t;
 #if KVLOOP_BF16
-      if constexpr (std::is_same_v<T, uint16_t> && ND % 2 == 0) {
+      if constexpr (kDpShape<T, ND>) {
         if (dp) {
           score_keys_dp<ND>(q + h * G * D, k, n, s, ld, G, scale);
           continue;
@@ -249,10 +261,12 @@ void attend(const T* q, const T* k_base, const T* v_base, int64_t block_size, in
   const int64_t L = t1 - t0;                  // slots read
   const int64_t nkv = h1 - h0, nh = nkv * G;  // KV heads and query heads of this task
   const int64_t ld = L + 16;                  // score row stride (room for a masked tail)
-  for (int64_t j = 0; j < nh && !dp; ++j)
-    for (int i = 0; i < ND; ++i)
-      kvloop::vstoreu(qf + j * D + 16 * i,
-                      vmul(load16_unordered(q + j * D + 16 * i), vset1(scale)));
+  if (!dp) {
+    for (int64_t j = 0; j < nh; ++j)
+      for (int i = 0; i < ND; ++i)
+        kvloop::vstoreu(qf + j * D + 16 * i,
+                        vmul(load16_unordered(q + j * D + 16 * i), vset1(scale)));
+  }
   // NOTE: each slot's offset is computed once per task, without dividing by the runtime block
   // size per key, head and pass (those divisions cost 4-15 % of the kernel's time).
   for (int64_t t = 0, blk = t0 / block_size, r = t0 % block_size; t < L; ++blk, r = 0)
@@ -333,11 +347,11 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   // NOTE: a bfloat16 cache's scores through vdpbf16ps where the CPU has it (score_tile_dp).
   // Not bf16_available(), which the AVX2 build answers for its own bfloat16 products.
 #if KVLOOP_BF16
-  static const bool vdpbf16ps = __builtin_cpu_supports("avx512bf16");
+  static const bool cpu_has_bf16 = __builtin_cpu_supports("avx512bf16");
 #else
-  constexpr bool vdpbf16ps = false;
+  constexpr bool cpu_has_bf16 = false;
 #endif
-  const bool dp = vdpbf16ps && std::is_same_v<T, uint16_t> && ND % 2 == 0;
+  const bool dp = kDpShape<T, ND> && cpu_has_bf16;
   const T* v_base = cache + num_blocks * block_size * row;
   // NOTE: torch's thread count, in a team or not (a team may have fewer): the same plan, so
   // the same bits, as the Python loop's call.
@@ -375,7 +389,7 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, n_tasks);
   kvloop::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(heads_per_task * G * D);
+    std::vector<float> qf(dp ? 0 : heads_per_task * G * D);
     std::vector<float> sc(heads_per_task * G * (max_len + 16));
     std::vector<int64_t> offs(max_len);
     for (int64_t k = next++; k < n_tasks; k = next++) {

@@ -42,8 +42,9 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
                const std::optional<at::Tensor>& bias, at::Tensor& out, bool accumulate);
 
 // NOTE: compilers before GCC 10 and Clang 9 lack the AVX-512 BF16 intrinsics, and the AVX2
-// build (no -mavx512f) cannot use them: there the kernels' vdpbf16ps loops are left out
-// (bf16_available() is false) and the rest still builds.
+// build (no -mavx512f) cannot use them: there the kernels' vdpbf16ps loops are left out and
+// the rest still builds (bf16_linear.cpp's bf16_available() is then false; the AVX2 build
+// has avx2_gemm.cpp's bfloat16 products, and decode_attention its float32 scores).
 #if defined(__AVX512F__) && ((defined(__clang__) && __clang_major__ >= 9) || \
                              (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #define KVLOOP_BF16 1
