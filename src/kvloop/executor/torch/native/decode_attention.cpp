@@ -22,8 +22,8 @@
 // to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
 // Queries, keys, values and outputs all go through simd.h's *_unordered loads and stores
 // (except score_tile_dp's raw loads, queries and keys in the same order): every sum is
-// lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8
-// values instead of a widening load and a shift; the kernel 4-16 % faster on Zen 1).
+// lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8 values
+// instead of a widening load and a shift; the kernel 4-16 % faster on Zen 1).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -121,8 +121,8 @@ constexpr bool kDpShape = KVLOOP_BF16 && std::is_same_v<T, uint16_t> && ND % 2 =
 // applied to each sum instead of to q first (the same for a power-of-two scale such as 1/8
 // at D = 64; one rounding fewer otherwise); vdpbf16ps flushes subnormal inputs, products and
 // partial sums to zero. Half score_tile's multiply-adds, and none of its widenings of the
-// keys: on the 2-core Zen 4 VM the scores pass took 0.86x the time at
-// 32 sequences of ~150 slots (docs/native-kernels.md, eighteenth round).
+// keys: on the 2-core Zen 4 VM the scores pass took 0.86x the time at 32 sequences of ~150
+// slots (docs/native-kernels.md, eighteenth round).
 template <int ND, int GH, int N>
 __attribute__((target("avx512bf16"))) inline void score_tile_dp(
     const uint16_t* qh, const uint16_t* const* k, float* s, int64_t ld, float scale) {
@@ -144,8 +144,8 @@ __attribute__((target("avx512bf16"))) inline void score_tile_dp(
 }
 
 // score_heads with score_tile_dp.
-// NOTE: score_heads' and score_pass' loops over again, not shared templates: code that calls
-// vdpbf16ps must carry the target attribute all the way down to be inlined.
+// NOTE: score_heads' loop over again, not a shared template: code that calls vdpbf16ps must
+// carry the target attribute all the way down to be inlined.
 template <int ND, int N>
 __attribute__((target("avx512bf16"))) inline void score_heads_dp(
     const uint16_t* qh, const uint16_t* const* k, float* s, int64_t ld, int64_t G, float scale) {
