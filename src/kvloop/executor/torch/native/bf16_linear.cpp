@@ -17,13 +17,7 @@
 #include "int_gemm.h"
 #endif
 
-bool bf16_available() {
-#if KVLOOP_BF16
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+bool bf16_available() { return cpu_bf16(); }
 
 #if KVLOOP_BF16
 namespace {

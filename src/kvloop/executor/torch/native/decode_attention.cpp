@@ -346,11 +346,7 @@ void run(const T* q, int64_t q_stride, const T* cache, int64_t num_blocks, int64
   const int64_t row = KV * D;  // elements per cache slot
   // NOTE: a bfloat16 cache's scores through vdpbf16ps where the CPU has it (score_tile_dp).
   // Not bf16_available(), which the AVX2 build answers for its own bfloat16 products.
-#if KVLOOP_BF16
-  static const bool cpu_has_bf16 = __builtin_cpu_supports("avx512bf16");
-#else
-  constexpr bool cpu_has_bf16 = false;
-#endif
+  static const bool cpu_has_bf16 = cpu_bf16();
   const bool dp = kDpShape<T, ND> && cpu_has_bf16;
   const T* v_base = cache + num_blocks * block_size * row;
   // NOTE: torch's thread count, in a team or not (a team may have fewer): the same plan, so

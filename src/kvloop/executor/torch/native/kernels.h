@@ -52,6 +52,16 @@ void q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 #define KVLOOP_BF16 0
 #endif
 
+// Whether this CPU has AVX-512 BF16 and this build its intrinsics (KVLOOP_BF16): where the
+// vdpbf16ps loops (bf16_linear.cpp, decode_attention.cpp's scores) run.
+inline bool cpu_bf16() {
+#if KVLOOP_BF16
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 // Whether bf16_linear runs here (the CPU has AVX-512 BF16 and the compiler had it).
 bool bf16_available();
 // The same with W and x in bfloat16 (see bf16_linear.cpp; needs bf16_available()).
