@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kvloop.engine.detokenizer import Detokenizer
+from kvloop.engine import detokenizer
+from kvloop.engine.detokenizer import HELD_TOKENS, Detokenizer
 
 CORPUS = [
     "hello world, this is a small corpus for a tiny byte level tokenizer.",
@@ -114,6 +115,65 @@ def test_flush_returns_a_dangling_partial_character(tok, use_stream):
     assert "\ufffd" not in "".join(deltas)
     assert "".join(deltas) + detok.flush() == tok.decode(ids[:-1])
     assert detok.flush() == ""
+
+
+def _lead_byte_token(tok) -> int:
+    """A token that is the first byte of a multi-byte character alone: a run of them is no
+    text (each lead byte is cut short by the next)."""
+    first = tok.encode("你").ids[0]
+    assert tok.decode([first]) == "\ufffd" and tok.decode([first] * 3) == "\ufffd" * 3
+    return first
+
+
+def test_bytes_that_never_end_a_character_are_released_as_they_go(tok, use_stream):
+    """A run that never completes a character is not held back to the end (each token would
+    decode every held one again): its final part goes out every HELD_TOKENS tokens, and
+    the whole text is still the tokenizer's own decoding, valid characters after it too."""
+    lead = _lead_byte_token(tok)
+    ids = [lead] * (10 * HELD_TOKENS) + tok.encode(TEXT).ids
+    detok = Detokenizer(tok, use_decode_stream=use_stream)
+    deltas = [detok.add(i)[0] for i in ids[:10 * HELD_TOKENS]]
+    out = "".join(deltas)
+    assert out == "\ufffd" * len(out) and len(out) >= 9 * HELD_TOKENS
+    deltas += [detok.add(i)[0] for i in ids[10 * HELD_TOKENS:]]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tok.decode(ids)
+    assert "".join(deltas).endswith(TEXT)
+
+
+def test_a_character_completed_after_held_tokens_is_kept_whole(tok, use_stream):
+    """A lead byte held back behind a run of invalid ones still joins the bytes that complete
+    it: the release cuts only where text already follows."""
+    lead = _lead_byte_token(tok)
+    rest = tok.encode("你").ids[1:]
+    assert rest and "\ufffd" not in tok.decode([lead, *rest])
+    for run in (HELD_TOKENS - 1, HELD_TOKENS, 2 * HELD_TOKENS - 1):
+        ids = [lead] * run + [lead, *rest] + tok.encode(" ok").ids
+        deltas, stopped = _stream(Detokenizer(tok, use_decode_stream=use_stream), ids)
+        assert not stopped and "".join(deltas) == tok.decode(ids)
+        assert "".join(deltas).endswith("你 ok")
+
+
+def test_held_tokens_past_the_bound_are_released_as_flush_does(tok, use_stream, monkeypatch):
+    """Where no part is final (here: the final-part release switched off), at most
+    MAX_HELD_TOKENS tokens are held back: past it their text goes out as flush() gives it."""
+    monkeypatch.setattr(detokenizer, "HELD_TOKENS", 10**9)
+    monkeypatch.setattr(detokenizer, "MAX_HELD_TOKENS", 5)
+    lead = _lead_byte_token(tok)
+    detok = Detokenizer(tok, use_decode_stream=use_stream)
+    deltas = [detok.add(lead)[0] for _ in range(18)]
+    assert [len(d) for d in deltas] == ([0] * 5 + [6]) * 3
+    assert "".join(deltas) + detok.flush() == "\ufffd" * 18
+
+
+def test_a_prompt_ending_inside_a_character_is_not_output(tok, use_stream):
+    """A prompt cut inside a character (token ids from a client) is no context: its text
+    never comes out as output."""
+    prompt = tok.encode("ok 你").ids[:-1]
+    assert tok.decode(prompt).endswith("\ufffd")
+    ids = tok.encode(" fine").ids
+    deltas, stopped = _stream(Detokenizer(tok, prompt, use_decode_stream=use_stream), ids)
+    assert not stopped and "".join(deltas) == " fine"
 
 
 # -- Tokenizer (transformers wrapper) ----------------------------------------------------------

@@ -6,6 +6,12 @@ never ends in a partial character (no U+FFFD for an incomplete UTF-8 sequence). 
 prefix/read-offset technique (vLLM's): decode a few tokens of context with and without the new
 ones and emit the difference once it no longer ends in U+FFFD.
 
+Both decode every held-back token again at each new one, so a run of tokens that never ends a
+character (invalid UTF-8, which a model can generate without end) would make each token cost
+more than the last. From ``HELD_TOKENS`` held back, the text that no later token can change
+(up to an invalid sequence that more text already follows) is released; from
+``MAX_HELD_TOKENS`` everything is, as ``flush()`` does.
+
 Stop strings: once the text contains one, it is cut just before the earliest match and the
 request must stop (the stop string is never returned). While a stop string could still be
 forming, the last ``max(len(stop)) - 1`` characters are held back from the deltas, so a stop
@@ -25,6 +31,14 @@ except ImportError:  # tokenizers < 0.21
 CONTEXT_TOKENS = 6
 """Tokens of context decoded before new ones (the prompt's tail for the first output token),
 so that decoders which drop a leading space at the start of a text keep it mid-text."""
+HELD_TOKENS = 8
+"""Tokens held back from which ``Detokenizer.add`` releases the part of their text that no later
+token can change (every ``HELD_TOKENS``-th token held)."""
+MAX_HELD_TOKENS = 64
+"""Tokens held back at most: past this many their text is released as ``flush()`` does, with
+U+FFFD for a character still incomplete. NOTE: only a run of tokens none of which ends a
+character gets here (a valid text whose every token boundary falls inside a character, or bytes
+that are no text): a bound on the work each token costs, not a limit natural text meets."""
 _INCOMPLETE = "\ufffd"
 
 
@@ -74,11 +88,8 @@ class Detokenizer:
         self._stops = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         context = list(prompt_ids[-CONTEXT_TOKENS:]) if prompt_ids else []
-        self._stream: _Stream
-        if use_decode_stream and DecodeStream is not None:
-            self._stream = DecodeStream(ids=context or None, skip_special_tokens=self._skip)
-        else:
-            self._stream = PrefixOffsetStream(context, skip_special_tokens=self._skip)
+        self._use_decode_stream = use_decode_stream and DecodeStream is not None
+        self._stream = self._new_stream(context)
         self._context = context  # the decoded tokens just before ``_pending``
         self._pending: list[int] = []  # fed tokens whose text the stream still holds back
         self._text = ""
@@ -108,12 +119,12 @@ class Detokenizer:
         start = len(self._text)
         for token_id in ids:
             self.token_ids.append(token_id)
-            self._pending.append(token_id)
-            chunk = self._stream.step(self._tokenizer, token_id)
-            if chunk is not None:
-                self._text += chunk
-                self._context = (self._context + self._pending)[-CONTEXT_TOKENS:]
-                self._pending = []
+            self._feed(token_id)
+            held = len(self._pending)
+            if held > MAX_HELD_TOKENS:
+                self._release_held()
+            elif held >= HELD_TOKENS and held % HELD_TOKENS == 0:
+                self._release_final()
         if self._check_stop(start):
             return self._emit(len(self._text)), True
         return self._emit(len(self._text) - self._hold), False
@@ -124,17 +135,64 @@ class Detokenizer:
             return ""
         self._finished = True
         start = len(self._text)
-        if self._pending:
-            ctx = self._context
-            full = self._tokenizer.decode(ctx + self._pending, skip_special_tokens=self._skip)
-            before = self._tokenizer.decode(ctx, skip_special_tokens=self._skip)
-            if full.startswith(before):
-                self._text += full[len(before):]
-            else:
-                self._text += self._tokenizer.decode(self._pending, skip_special_tokens=self._skip)
-            self._pending = []
+        self._release_held()
         self._check_stop(start)
         return self._emit(len(self._text))
+
+    def _new_stream(self, context: list[int]) -> _Stream:
+        """A stream after ``context``, or after none where that ends in an incomplete or
+        invalid character."""
+        # NOTE: DecodeStream emits a context whose text ends in U+FFFD as if it were output,
+        # and a prefix that later tokens may change would let a completed character be lost.
+        if context and self._decode(context).endswith(_INCOMPLETE):
+            context = []
+        if self._use_decode_stream:
+            return DecodeStream(ids=context or None, skip_special_tokens=self._skip)
+        return PrefixOffsetStream(context, skip_special_tokens=self._skip)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def _feed(self, token_id: int) -> None:
+        """One token into the stream: its text, once no longer incomplete, onto ``_text``."""
+        self._pending.append(token_id)
+        chunk = self._stream.step(self._tokenizer, token_id)
+        if chunk is not None:
+            self._text += chunk
+            self._context = (self._context + self._pending)[-CONTEXT_TOKENS:]
+            self._pending = []
+
+    def _release_held(self) -> None:
+        """Every held-back token's text onto ``_text`` (U+FFFD for an incomplete character)
+        and a new stream after them."""
+        if not self._pending:
+            return
+        ctx, held = self._context, self._pending
+        full, before = self._decode(ctx + held), self._decode(ctx)
+        self._text += full[len(before):] if full.startswith(before) else self._decode(held)
+        self._context = (ctx + held)[-CONTEXT_TOKENS:]
+        self._pending = []
+        self._stream = self._new_stream(self._context)
+
+    def _release_final(self) -> None:
+        """The held-back text that no later token can change onto ``_text``: up to the last of
+        the final ``HELD_TOKENS`` token boundaries after which the held text goes on (an
+        invalid sequence there is final once any text follows it); the tokens after it go
+        into a new stream."""
+        ctx, held = self._context, self._pending
+        before, full = self._decode(ctx), self._decode(ctx + held)
+        for cut in range(len(held) - 1, max(len(held) - HELD_TOKENS, 1) - 1, -1):
+            part = self._decode(ctx + held[:cut])
+            if part.startswith(before) and full.startswith(part) and len(full) > len(part):
+                break
+        else:
+            return
+        self._text += part[len(before):]
+        self._context = (ctx + held[:cut])[-CONTEXT_TOKENS:]
+        self._pending = []
+        self._stream = self._new_stream(self._context)
+        for token_id in held[cut:]:
+            self._feed(token_id)
 
     def _check_stop(self, start: int) -> bool:
         """Cut the text before the earliest stop string that ends after ``start``."""
