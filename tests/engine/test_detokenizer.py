@@ -176,6 +176,53 @@ def test_a_prompt_ending_inside_a_character_is_not_output(tok, use_stream):
     assert not stopped and "".join(deltas) == " fine"
 
 
+def _byte_level_bpe(extra: list[bytes]) -> RawTokenizer:
+    """A byte-level BPE whose tokens are the 256 bytes and each of ``extra`` (ids 256, ...)."""
+    # GPT-2's bytes-to-characters table, as the ByteLevel decoder reads it
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = printable + [256 + i for i in range(256 - len(printable))]
+    order = printable + [b for b in range(256) if b not in printable]
+    table = dict(zip(order, map(chr, chars), strict=True))
+    vocab = {table[b]: b for b in range(256)}
+    merges = []
+    for token in extra:
+        text = "".join(table[b] for b in token)
+        merges.append((text[:-1], text[-1]))
+        vocab.setdefault(text[:-1], len(vocab))
+        vocab[text] = len(vocab)
+    t = RawTokenizer(models.BPE(vocab, merges))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    return t
+
+
+def test_a_release_never_cuts_inside_an_invalid_sequence(use_stream):
+    """Lead bytes held back, then a token that continues the last of them and goes on: the
+    release must not cut between the lead byte and its continuation (the text then has one
+    U+FFFD for both, as the tokenizer's decoding)."""
+    tok = _byte_level_bpe([b"\xbdA", b"\xbdA\xe4"])
+    bridge = tok.token_to_id("".join(tok.id_to_token(i) for i in (0xBD, ord("A"), 0xE4)))
+    assert bridge is not None and tok.decode([0xE4, bridge]) == "\ufffdA\ufffd"
+    for run in (HELD_TOKENS - 1, 2 * HELD_TOKENS - 1):
+        ids = [0xE4] * run + [bridge, ord("x")]
+        deltas, _ = _stream(Detokenizer(tok, use_decode_stream=use_stream), ids)
+        assert "".join(deltas) == tok.decode(ids)
+
+
+def test_released_text_follows_the_streams_own_context(tok, use_stream):
+    """A prompt ending in a lead byte (no context for the stream), then output tokens that
+    start with continuation bytes, long enough to be released: the output is the tokenizer's
+    decoding of the output alone, released or not."""
+    lead = _lead_byte_token(tok)
+    prompt = [*tok.encode("ok ").ids, lead]
+    cont = tok.encode("你").ids[1]
+    assert tok.decode([cont]) == "\ufffd"
+    for pairs in (3, 6, 12):
+        ids = [cont, lead] * pairs + tok.encode(" fine").ids
+        deltas, _ = _stream(Detokenizer(tok, prompt, use_decode_stream=use_stream), ids)
+        assert "".join(deltas) == tok.decode(ids)
+
+
 # -- Tokenizer (transformers wrapper) ----------------------------------------------------------
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

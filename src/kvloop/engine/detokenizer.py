@@ -89,8 +89,8 @@ class Detokenizer:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         context = list(prompt_ids[-CONTEXT_TOKENS:]) if prompt_ids else []
         self._use_decode_stream = use_decode_stream and DecodeStream is not None
+        self._context: list[int] = []  # the stream's context: the tokens just before ``_pending``
         self._stream = self._new_stream(context)
-        self._context = context  # the decoded tokens just before ``_pending``
         self._pending: list[int] = []  # fed tokens whose text the stream still holds back
         self._text = ""
         self._emitted = 0
@@ -123,7 +123,7 @@ class Detokenizer:
             held = len(self._pending)
             if held > MAX_HELD_TOKENS:
                 self._release_held()
-            elif held >= HELD_TOKENS and held % HELD_TOKENS == 0:
+            elif held and held % HELD_TOKENS == 0:
                 self._release_final()
         if self._check_stop(start):
             return self._emit(len(self._text)), True
@@ -140,15 +140,17 @@ class Detokenizer:
         return self._emit(len(self._text))
 
     def _new_stream(self, context: list[int]) -> _Stream:
-        """A stream after ``context``, or after none where that ends in an incomplete or
-        invalid character."""
+        """A stream after ``context`` (``_context`` set to it), or after none where that ends
+        in an incomplete or invalid character."""
         # NOTE: DecodeStream emits a context whose text ends in U+FFFD as if it were output,
         # and a prefix that later tokens may change would let a completed character be lost.
-        if context and self._decode(context).endswith(_INCOMPLETE):
-            context = []
+        self._context = context = self._context_or_none(context)
         if self._use_decode_stream:
             return DecodeStream(ids=context or None, skip_special_tokens=self._skip)
         return PrefixOffsetStream(context, skip_special_tokens=self._skip)
+
+    def _context_or_none(self, context: list[int]) -> list[int]:
+        return [] if context and self._decode(context).endswith(_INCOMPLETE) else context
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -170,9 +172,8 @@ class Detokenizer:
         ctx, held = self._context, self._pending
         full, before = self._decode(ctx + held), self._decode(ctx)
         self._text += full[len(before):] if full.startswith(before) else self._decode(held)
-        self._context = (ctx + held)[-CONTEXT_TOKENS:]
         self._pending = []
-        self._stream = self._new_stream(self._context)
+        self._stream = self._new_stream((ctx + held)[-CONTEXT_TOKENS:])
 
     def _release_final(self) -> None:
         """The held-back text that no later token can change onto ``_text``: up to the last of
@@ -183,14 +184,19 @@ class Detokenizer:
         before, full = self._decode(ctx), self._decode(ctx + held)
         for cut in range(len(held) - 1, max(len(held) - HELD_TOKENS, 1) - 1, -1):
             part = self._decode(ctx + held[:cut])
-            if part.startswith(before) and full.startswith(part) and len(full) > len(part):
+            if not (part.startswith(before) and full.startswith(part) and len(full) > len(part)):
+                continue
+            # NOTE: the held text goes on after ``part``, but the tokens after the cut may still
+            # continue its last (incomplete) sequence: cut only where they decode on their own
+            # (after the context the new stream gets) to the rest of ``full``.
+            rest = self._context_or_none((ctx + held[:cut])[-CONTEXT_TOKENS:])
+            if self._decode(rest + held[cut:])[len(self._decode(rest)):] == full[len(part):]:
                 break
         else:
             return
         self._text += part[len(before):]
-        self._context = (ctx + held[:cut])[-CONTEXT_TOKENS:]
         self._pending = []
-        self._stream = self._new_stream(self._context)
+        self._stream = self._new_stream((ctx + held[:cut])[-CONTEXT_TOKENS:])
         for token_id in held[cut:]:
             self._feed(token_id)
 
