@@ -395,3 +395,51 @@ def test_silu_mul_propagates_nan() -> None:
     act = torch.empty(2, 32, dtype=BF16)
     native.call("silu_mul", gate_up, act)
     assert act[0, 3].isnan() and act[0].isnan().sum() == 1 and act[1].isfinite().all()
+
+
+# -- argmax_rows: the sampler's greedy pick ---------------------------------------------------
+def numpy_argmax(x: torch.Tensor, columns: int) -> list[int]:
+    """What the sampler picked before the kernel: numpy's argmax of each row's columns."""
+    return x[:, :columns].numpy().argmax(axis=-1).tolist()
+
+
+@pytest.mark.parametrize("columns", [1, 7, 8, 15, 16, 17, 33, 49152, 49155])
+def test_argmax_rows_matches_numpy(columns: int) -> None:
+    """``argmax_rows`` is numpy's argmax row by row: the first of equal maxima (ties across
+    and within vector lanes, -0.0 equal to 0.0), +-inf, a whole row of -inf (0), the first
+    NaN wherever it lies (the lanes or the tail), and the padding columns past ``columns``
+    ignored (they hold the largest values)."""
+    gen = torch.Generator().manual_seed(columns)
+    rows = []
+    for case in range(12):
+        r = torch.randint(-3, 4, (columns,), generator=gen).float()  # many ties
+        if case == 1:
+            r = torch.full((columns,), -INF)
+        elif case == 2:
+            r[torch.randint(0, columns, (3,), generator=gen)] = float("nan")
+        elif case == 3:
+            r[-1] = float("nan")  # the tail, or the last lane
+        elif case == 4:
+            r[torch.randint(0, columns, (2,), generator=gen)] = INF
+        elif case == 5:
+            r = torch.where(r == 0, torch.tensor(-0.0), r).abs().neg()  # max is 0 / -0.0
+        elif case == 6:
+            r = torch.randn(columns, generator=gen)
+        elif case == 7:
+            r = torch.full((columns,), 2.0)
+        rows.append(r)
+    x = torch.stack(rows)
+    padded = torch.cat([x, torch.full((len(rows), 5), 100.0)], dim=1)
+    assert KERNELS.argmax_rows(padded, columns) == numpy_argmax(padded, columns)
+    assert KERNELS.argmax_rows(x, columns) == numpy_argmax(x, columns)
+    # A row view of a wider tensor (a row stride other than the columns).
+    assert KERNELS.argmax_rows(padded[3:9], columns) == numpy_argmax(padded[3:9], columns)
+
+
+def test_argmax_rows_refuses_bad_input() -> None:
+    """Wrong dtype, layout or column count: a RuntimeError naming the kernel, nothing read."""
+    x = torch.zeros(2, 16)
+    for bad in ((x.to(BF16), 16), (x.t(), 2), (x[0], 16), (x, 0), (x, 17)):
+        with pytest.raises(RuntimeError, match="argmax_rows"):
+            KERNELS.argmax_rows(*bad)
+    assert KERNELS.argmax_rows(torch.zeros(0, 16), 16) == []

@@ -57,6 +57,37 @@ def test_greedy_ties_and_nan_as_torch(device):
         assert tokens == padded[:, :5].float().argmax(-1).tolist()
 
 
+def test_plain_greedy_takes_one_argmax_call(device, monkeypatch):
+    """A step whose rows are all plain greedy (no penalty, no logprobs, no min_tokens mask)
+    goes straight to the argmax; a row with any of those takes the full path, and both pick
+    the same token where they must."""
+    import kvloop.executor.torch.sampler as sampler_mod
+
+    logits = rand_logits(4, 64, 5, device)
+    sampler = Sampler(64, device)
+    full = []
+    real = sampler_mod.apply_penalties
+    monkeypatch.setattr(sampler_mod, "apply_penalties",
+                        lambda x, states: full.append(len(states)) or real(x, states))
+    plain, lps = sampler.sample(logits, [state(temperature=0.0)] * 4)
+    assert full == [] and lps == [None] * 4
+    assert plain == logits.argmax(-1).tolist()
+    for kw in ({"logprobs": 2}, {"repetition_penalty": 1.0, "presence_penalty": 0.5},
+               {"min_tokens": 3, "stop_token_ids": [7]}):
+        st = [state(temperature=0.0, **kw) for _ in range(4)]
+        if "min_tokens" in kw:
+            for s in st:
+                s.stop_ids = frozenset({7})
+        tokens, _ = sampler.sample(logits, st)
+        assert full, kw  # the full path ran
+        full.clear()
+        if "presence_penalty" not in kw:
+            masked = logits.clone()
+            if "min_tokens" in kw:
+                masked[:, 7] = float("-inf")
+            assert tokens == masked.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_top_k_1_equals_greedy(device, temperature):
     logits = rand_logits(5, 40, 1, device)

@@ -10,11 +10,12 @@ Every stage is vectorised over the batch and skipped when no row in the batch us
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvloop.executor.torch import native
 from kvloop.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -70,6 +71,14 @@ def _mix(seed: int, position: int) -> int:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _argmax_only(s: SamplingState) -> bool:
+    """Whether this row's token is its raw logits' argmax: greedy, no penalty, no stop ids
+    masked by ``min_tokens`` this step, no logprobs."""
+    p = s.params
+    return (p.greedy and p.logprobs is None and not _has_penalty(p)
+            and not (p.min_tokens > len(s.output_token_ids) and s.stop_ids))
 
 
 def _row_token_tensors(
@@ -180,6 +189,18 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        kernels = native.kernels() if self.device.type == "cpu" else None
+        self._argmax_rows: Callable[[torch.Tensor, int], list[int]] | None = getattr(
+            kernels, "argmax_rows", None)
+        """kvloop's CPU argmax kernel (``native``), or None where its kernels are off."""
+
+    def _argmax_tokens(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax over the vocabulary: one kernel call on CPU (``argmax_rows``),
+        as ``_argmax`` picks."""
+        if (self._argmax_rows is not None and logits.device.type == "cpu"
+                and logits.dtype == torch.float32 and logits.stride(-1) == 1):
+            return self._argmax_rows(logits, self.vocab_size)
+        return _argmax(logits[:, : self.vocab_size].float()).tolist()
 
     def sample(
         self, logits: torch.Tensor, states: list[SamplingState]
@@ -193,6 +214,8 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(states), "one row per state"
         if not states:
             return [], []
+        if all(_argmax_only(s) for s in states):
+            return self._argmax_tokens(logits), [None] * len(states)
         raw = logits[:, : self.vocab_size].float()
         x = apply_min_tokens(apply_penalties(raw, states), states)
         rand_rows = [i for i, s in enumerate(states) if not s.params.greedy]

@@ -24,6 +24,8 @@ beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships i
   online softmax; ``attention.paged_attention`` uses it for prefill groups.
 - ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
   where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 and float32).
+- ``argmax_rows``: each float32 logits row's argmax as a list (numpy's and torch's ties and
+  NaNs), the sampler's pick where every row of a step is plain greedy.
 
 On CPUs with AVX2 but without AVX-512 VNNI, a second build (:data:`AVX2`) holds the same
 kernels: the GEMMs of ``avx2_gemm.cpp`` (same layouts; the integer ones give the same bits)
@@ -74,7 +76,7 @@ FULL = Build("kvloop_native",
              ("module.cpp", "q4_linear.cpp", "q8_linear.cpp", "bf16_linear.cpp", "amx_gemm.cpp",
               "f32_linear.cpp",
               "decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
-              "decode_layers.cpp"),
+              "decode_layers.cpp", "argmax.cpp"),
              ("-O3", "-fopenmp", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
               "-mavx512vnni"),
              frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}))
@@ -82,7 +84,7 @@ FULL = Build("kvloop_native",
 AVX2 = Build("kvloop_native_avx2",
              ("module.cpp", "avx2_gemm.cpp", "amx_gemm.cpp", "f32_linear.cpp",
               "decode_attention.cpp",
-              "prefill_attention.cpp", "layer_ops.cpp", "decode_layers.cpp"),
+              "prefill_attention.cpp", "layer_ops.cpp", "decode_layers.cpp", "argmax.cpp"),
              ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
              frozenset({"avx2", "fma", "f16c"}))
 """The same kernels for CPUs with AVX2 but not :data:`FULL`'s features: the GEMMs of

@@ -103,6 +103,10 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
                    int64_t num_kv_heads);
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
 
+// The index of the largest of each row's first ``columns`` values (the first of equal maxima,
+// the first NaN where there is one; see argmax.cpp).
+std::vector<int64_t> argmax_rows(const at::Tensor& logits, int64_t columns);
+
 // Attention of one query token per sequence over its paged context, read in place.
 void decode_attention(const at::Tensor& q, const at::Tensor& cache,
                       const at::Tensor& block_table, const at::Tensor& context_lens,

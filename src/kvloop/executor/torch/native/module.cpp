@@ -50,5 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly_static("BF16", &DecodeLayers::kBf16)
       .def_readonly_static("Q4", &DecodeLayers::kQ4)
       .def_readonly_static("F32", &DecodeLayers::kF32);
+  m.def("argmax_rows", &argmax_rows, "each row's argmax over its first columns (a list)",
+        kFree, py::arg("logits"), py::arg("columns"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up", kFree, py::arg("gate_up"), py::arg("out"));
 }
