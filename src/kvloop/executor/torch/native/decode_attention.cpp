@@ -9,14 +9,16 @@
 //            bfloat16 cache on a CPU with AVX-512 BF16: vdpbf16ps on the raw query and key
 //            values, the scale applied to each sum; score_tile_dp);
 //   softmax  per query head over its row of scores;
-//   output   per KV head and 16 (AVX-512: 32) output values, up to kHeads query heads at a
-//            time, every slot's V values broadcast-weighted by their probabilities.
+//   output   per KV head and 16 (AVX-512: 32; AVX-512 and a bfloat16 cache: 64) output
+//            values, up to kHeads query heads at a time, every slot's V values
+//            broadcast-weighted by their probabilities (output_tile, output_tile_bf16).
 // NOTE: each pass prefetches the slots it reads kAhead slots ahead. Without it the kernel ran
 // at half to two thirds of this speed from memory: the output passes read one cache line of
 // every slot (a stride the hardware prefetchers do not follow) and the scores pass jumps from
 // block to block. The scores pass also asks for the same slots' values into L2, so that the
 // output passes, one line a slot each, do not wait on memory for every slot (1.2-1.5x faster
-// from memory on the Sapphire Rapids VM; docs/native-kernels.md, twelfth round).
+// from memory on the Sapphire Rapids VM; docs/native-kernels.md, twelfth round). On AMD CPUs
+// the keys too go into L2 only (kPrefetchToL2; twentieth round).
 //
 // NOTE: float32 arithmetic for float32 and bfloat16 caches alike; each output is rounded once
 // to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
@@ -186,7 +188,11 @@ void score_pass(bool dp, const T* q, const float* qf, const T* k_base, const T* 
       const char* kl = reinterpret_cast<const char*>(k_base + offs[a]);
       const char* vl = reinterpret_cast<const char*>(v_base + offs[a]);
       for (int64_t i = 0; i < span; i += 64) {
-        _mm_prefetch(kl + i, _MM_HINT_T0);
+        if (kvloop::kPrefetchToL2) {
+          _mm_prefetch(kl + i, _MM_HINT_T1);
+        } else {
+          _mm_prefetch(kl + i, _MM_HINT_T0);
+        }
         _mm_prefetch(vl + i, _MM_HINT_T1);
       }
     }

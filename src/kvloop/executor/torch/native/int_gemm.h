@@ -109,17 +109,6 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
   });
 }
 
-// Whether prefetch_ahead asks for its lines into L2 (prefetcht1) rather than into every
-// level (prefetcht0): on AMD CPUs.
-// NOTE: measured per CPU (docs/native-kernels.md, thirteenth round). On Zen 4, asking for
-// the lines into L1 made a one-row bfloat16 pass slower than no prefetch at all (8.7 against
-// 8.3 ms over the default model's layers) and asking for them into L2 faster (6.7 ms); on
-// Sapphire Rapids only prefetcht0 was measured (twelfth round).
-inline const bool kPrefetchToL2 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd") != 0;
-}();
-
 // Asks for the 64-byte lines holding [p + ahead, p + ahead + bytes) (into L2 or every level:
 // kPrefetchToL2).
 // NOTE: a one-row product streams its weights once and does little arithmetic per byte; the
