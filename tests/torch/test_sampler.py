@@ -88,6 +88,26 @@ def test_plain_greedy_takes_one_argmax_call(device, monkeypatch):
             assert tokens == masked.argmax(-1).tolist()
 
 
+def test_plain_greedy_on_any_logits_layout(device):
+    """The greedy fast path picks what the full path picks on bfloat16 logits, on a strided
+    float32 view, and on logits narrower than the vocabulary (a head without padding rows:
+    the columns there are the vocabulary)."""
+    import kvloop.executor.torch.sampler as sampler_mod
+
+    wide = rand_logits(5, 80, 9, device)
+    cases = [wide.to(torch.bfloat16), wide[:, ::2], wide[::2], wide[:, :30]]
+    for logits in cases:
+        fast, _ = Sampler(40, device).sample(logits, [state(temperature=0.0)] * logits.shape[0])
+        assert fast == logits[:, :40].float().argmax(-1).tolist()
+        real = sampler_mod._argmax_only
+        try:
+            sampler_mod._argmax_only = lambda s: False
+            full, _ = Sampler(40, device).sample(logits, [state(temperature=0.0)] * logits.shape[0])
+        finally:
+            sampler_mod._argmax_only = real
+        assert full == fast
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_top_k_1_equals_greedy(device, temperature):
     logits = rand_logits(5, 40, 1, device)

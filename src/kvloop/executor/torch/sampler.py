@@ -189,18 +189,21 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        kernels = native.kernels() if self.device.type == "cpu" else None
-        self._argmax_rows: Callable[[torch.Tensor, int], list[int]] | None = getattr(
-            kernels, "argmax_rows", None)
-        """kvloop's CPU argmax kernel (``native``), or None where its kernels are off."""
+        self._argmax_rows: Callable[[torch.Tensor, int], list[int]] | bool | None = False
+        """kvloop's CPU argmax kernel (``native``), None where its kernels are off; False
+        until first needed (looking it up may build the kernels)."""
 
     def _argmax_tokens(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax over the vocabulary: one kernel call on CPU (``argmax_rows``),
         as ``_argmax`` picks."""
-        if (self._argmax_rows is not None and logits.device.type == "cpu"
+        kernel = self._argmax_rows
+        if kernel is False:
+            kernel = self._argmax_rows = getattr(native.kernels(), "argmax_rows", None)
+        columns = min(self.vocab_size, logits.shape[-1])
+        if (kernel is not None and logits.device.type == "cpu" and columns > 0
                 and logits.dtype == torch.float32 and logits.stride(-1) == 1):
-            return self._argmax_rows(logits, self.vocab_size)
-        return _argmax(logits[:, : self.vocab_size].float()).tolist()
+            return kernel(logits, columns)
+        return _argmax(logits[:, :columns].float()).tolist()
 
     def sample(
         self, logits: torch.Tensor, states: list[SamplingState]

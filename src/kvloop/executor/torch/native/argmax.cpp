@@ -10,6 +10,8 @@
 // docs/native-kernels.md, twentieth round).
 #include <immintrin.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -108,8 +110,9 @@ std::vector<int64_t> argmax_rows(const at::Tensor& logits, int64_t columns) {
               "argmax_rows: logits must be a CPU float32 [rows, columns] tensor with "
               "contiguous rows");
   // NOTE: lane indices are int32.
-  TORCH_CHECK(columns >= 1 && columns <= logits.size(1) && columns < (int64_t{1} << 31),
-              "argmax_rows: columns ", columns, " outside 1..", logits.size(1));
+  TORCH_CHECK(columns >= 1 && columns <= std::min<int64_t>(logits.size(1), INT32_MAX),
+              "argmax_rows: columns ", columns, " outside 1..",
+              std::min<int64_t>(logits.size(1), INT32_MAX));
   const int64_t rows = logits.size(0), stride = logits.stride(0);
   const float* x = logits.data_ptr<float>();
   std::vector<int64_t> out(rows);

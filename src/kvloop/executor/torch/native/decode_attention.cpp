@@ -23,9 +23,10 @@
 // NOTE: float32 arithmetic for float32 and bfloat16 caches alike; each output is rounded once
 // to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
 // Queries, keys, values and outputs all go through simd.h's *_unordered loads and stores
-// (except score_tile_dp's raw loads, queries and keys in the same order): every sum is
-// lane-wise, so their lane order never shows (AVX2 bfloat16: one shuffle per 8 values
-// instead of a widening load and a shift; the kernel 4-16 % faster on Zen 1).
+// (except score_tile_dp's raw loads, queries and keys in the same order, and
+// output_tile_bf16's raw loads of values and in-order stores): every sum is lane-wise, so
+// their lane order never shows (AVX2 bfloat16: one shuffle per 8 values instead of a
+// widening load and a shift; the kernel 4-16 % faster on Zen 1).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -250,7 +251,7 @@ inline void output_tile(const T* v_base, const int64_t* offs, int64_t L, int64_t
 // shift and a mask: where load16_unordered widens 16 values with two operations, this takes
 // one), accumulated apart and put back in order when stored.
 // NOTE: every output lane sums the same products in the same order as output_tile's: the same
-// bits. With a head's 64 values of a slot in one pass, each slot's probabilities are broadcast
+// bits for finite results (a NaN's sign may differ: which operand's NaN an FMA keeps). With a head's 64 values of a slot in one pass, each slot's probabilities are broadcast
 // once, not once per 32 values. On the 2-core Zen 4 VM a one-sequence decode attention took
 // 0.88-0.93x the time from cache, and a one-row int4 step at ~2,000 slots 0.93x
 // (docs/native-kernels.md, twentieth round).
@@ -258,7 +259,7 @@ template <int ND, int GH, int NR, typename O>
 inline void output_tile_bf16(const uint16_t* v_base, const int64_t* offs, int64_t L, int64_t c,
                              const float* p, int64_t ld, const float* inv, O* out) {
   constexpr int64_t D = ND * 16;
-  const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   V16 acc[GH][2 * NR];
   KVLOOP_UNROLL for (int g = 0; g < GH; ++g)
     KVLOOP_UNROLL for (int i = 0; i < 2 * NR; ++i) acc[g][i] = vzero();
@@ -272,7 +273,7 @@ inline void output_tile_bf16(const uint16_t* v_base, const int64_t* offs, int64_
     KVLOOP_UNROLL for (int r = 0; r < NR; ++r) {
       const __m512i raw = _mm512_loadu_si512(v + 32 * r);
       vv[2 * r] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      vv[2 * r + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd));
+      vv[2 * r + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
     }
     KVLOOP_UNROLL for (int g = 0; g < GH; ++g) {
       const V16 w = vset1(p[g * ld + t]);
@@ -284,10 +285,11 @@ inline void output_tile_bf16(const uint16_t* v_base, const int64_t* offs, int64_
   KVLOOP_UNROLL for (int g = 0; g < GH; ++g) {
     KVLOOP_UNROLL for (int r = 0; r < NR; ++r) {
       const V16 even = vmul(acc[g][2 * r], vset1(inv[g]));
-      const V16 odd_ = vmul(acc[g][2 * r + 1], vset1(inv[g]));
+      const V16 odd = vmul(acc[g][2 * r + 1], vset1(inv[g]));
       O* o = out + g * D + 32 * (c + r);
-      kvloop::store16_unordered(o, _mm512_permutex2var_ps(even, first16, odd_));
-      kvloop::store16_unordered(o + 16, _mm512_permutex2var_ps(even, last16, odd_));
+      // NOTE: back in order here, so stored in order (store16), not store16_unordered's.
+      kvloop::store16(o, _mm512_permutex2var_ps(even, first16, odd));
+      kvloop::store16(o + 16, _mm512_permutex2var_ps(even, last16, odd));
     }
   }
 }
