@@ -251,10 +251,11 @@ inline void output_tile(const T* v_base, const int64_t* offs, int64_t L, int64_t
 // shift and a mask: where load16_unordered widens 16 values with two operations, this takes
 // one), accumulated apart and put back in order when stored.
 // NOTE: every output lane sums the same products in the same order as output_tile's: the same
-// bits for finite results (a NaN's sign may differ: which operand's NaN an FMA keeps). With a head's 64 values of a slot in one pass, each slot's probabilities are broadcast
-// once, not once per 32 values. On the 2-core Zen 4 VM a one-sequence decode attention took
-// 0.88-0.93x the time from cache, and a one-row int4 step at ~2,000 slots 0.93x
-// (docs/native-kernels.md, twentieth round).
+// bits for finite results (a NaN's sign may differ: which operand's NaN an FMA keeps). With
+// a head's 64 values of a slot in one pass, each slot's probabilities are broadcast once, not
+// once per 32 values. On the 2-core Zen 4 VM a one-sequence decode attention took 0.88-0.93x
+// the time from cache, and a one-row int4 step at ~2,000 slots 0.93x (docs/native-kernels.md,
+// twentieth round).
 template <int ND, int GH, int NR, typename O>
 inline void output_tile_bf16(const uint16_t* v_base, const int64_t* offs, int64_t L, int64_t c,
                              const float* p, int64_t ld, const float* inv, O* out) {
