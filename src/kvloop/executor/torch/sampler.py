@@ -196,13 +196,14 @@ class Sampler:
     def _argmax_tokens(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax over the vocabulary: one kernel call on CPU (``argmax_rows``),
         as ``_argmax`` picks."""
-        kernel = self._argmax_rows
-        if kernel is False:
-            kernel = self._argmax_rows = getattr(native.kernels(), "argmax_rows", None)
         columns = min(self.vocab_size, logits.shape[-1])
-        if (kernel is not None and logits.device.type == "cpu" and columns > 0
-                and logits.dtype == torch.float32 and logits.stride(-1) == 1):
-            return kernel(logits, columns)
+        if (logits.device.type == "cpu" and columns > 0 and logits.dtype == torch.float32
+                and logits.stride(-1) == 1):
+            kernel = self._argmax_rows
+            if kernel is False:  # NOTE: looked up on CPU only (it may build the kernels)
+                kernel = self._argmax_rows = getattr(native.kernels(), "argmax_rows", None)
+            if kernel is not None:
+                return kernel(logits, columns)
         return _argmax(logits[:, :columns].float()).tolist()
 
     def sample(
