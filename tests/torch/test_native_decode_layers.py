@@ -36,9 +36,9 @@ class Counting:
     def __init__(self, stack: object) -> None:
         self.stack, self.tokens = stack, []
 
-    def run(self, x: torch.Tensor, *args: object) -> None:
-        self.tokens.append(x.shape[0])
-        self.stack.run(x, *args)  # type: ignore[attr-defined]
+    def run(self, ids: torch.Tensor, *args: object) -> torch.Tensor:
+        self.tokens.append(ids.shape[0])
+        return self.stack.run(ids, *args)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -192,30 +192,57 @@ def test_decode_layers_refuses_x_of_another_float_type_than_its_matrices() -> No
         weights=[[native.pack_f32(torch.zeros(n, k))] for n, k in shapes], biases=[None] * 4,
         num_heads=2, num_kv_heads=1, head_dim=32, intermediate=64)
     cache = torch.zeros(2, 4, 16, 1, 32)
-    args = {"cos": torch.ones(1, 32), "sin": torch.zeros(1, 32), "caches": [cache],
+    args = {"ids": torch.tensor([5]), "cos_table": torch.ones(8, 32),
+            "sin_table": torch.zeros(8, 32), "positions": torch.tensor([3]), "caches": [cache],
             "slots": torch.tensor([3]), "block_table": torch.tensor([[0]]),
             "context_lens": torch.tensor([4]), "eps": 1e-5, "scale": 32 ** -0.5}
-    stack.run(torch.randn(1, 64), **args)  # float32 x runs
+    stack.run(embed=torch.randn(10, 64), **args)  # float32 x runs
     with pytest.raises(RuntimeError, match="for float32 matrices"):
-        stack.run(torch.randn(1, 64).to(BF16), **args)
+        stack.run(embed=torch.randn(10, 64).to(BF16),
+                  **{**args, "cos_table": torch.ones(8, 32, dtype=BF16),
+                     "sin_table": torch.zeros(8, 32, dtype=BF16)})
 
 
 def test_decode_layers_refuses_bad_calls() -> None:
     stack = KERNELS.DecodeLayers(**_stack_args())
     cache = torch.zeros(2, 4, 16, 1, 32, dtype=BF16)
-    args = {"x": torch.randn(1, 64).to(BF16), "cos": torch.ones(1, 32, dtype=BF16),
-            "sin": torch.zeros(1, 32, dtype=BF16), "caches": [cache],
-            "slots": torch.tensor([3]), "block_table": torch.tensor([[0]]),
+    args = {"ids": torch.tensor([5]), "embed": torch.randn(10, 64).to(BF16),
+            "cos_table": torch.ones(8, 32, dtype=BF16),
+            "sin_table": torch.zeros(8, 32, dtype=BF16), "positions": torch.tensor([3]),
+            "caches": [cache], "slots": torch.tensor([3]), "block_table": torch.tensor([[0]]),
             "context_lens": torch.tensor([4]), "eps": 1e-5, "scale": 32 ** -0.5}
-    stack.run(**args)  # a right call runs
+    x = stack.run(**args)  # a right call runs
+    assert x.shape == (1, 64) and x.dtype == BF16
+    # NOTE: random rows, so that a refused call that left anything behind changes x or the
+    # cache of the next call.
+    cache.zero_()
+    torch.manual_seed(0)
+    args["embed"] = torch.randn(10, 64).to(BF16)
+    args["cos_table"] = torch.randn(8, 32).to(BF16)
+    args["sin_table"] = torch.randn(8, 32).to(BF16)
+    x = stack.run(**args)
+    written = cache.clone()
+    cache.zero_()
     for change, message in [({"caches": [cache, cache]}, "one cache per layer"),
-                            ({"x": torch.randn(1, 32).to(BF16)}, "x layout"),
+                            ({"embed": torch.randn(10, 32).to(BF16)}, "embed"),
+                            ({"embed": torch.randn(10, 64).half()}, "cos_table .* table of Half"),
+                            ({"ids": torch.tensor([10])}, "token id 10 is outside"),
+                            ({"ids": torch.tensor([-1])}, "token id -1 is outside"),
+                            ({"ids": torch.tensor([5], dtype=torch.int32)}, "ids"),
+                            ({"positions": torch.tensor([8])}, "position 8 is outside"),
+                            ({"positions": torch.tensor([3, 4])}, "1 ids and 2 positions"),
+                            ({"sin_table": torch.zeros(7, 32, dtype=BF16)}, "RoPE tables"),
+                            ({"cos_table": torch.ones(8, 16, dtype=BF16)}, "cos_table"),
                             ({"context_lens": torch.tensor([40])}, "decode_attention"),
-                            ({"block_table": torch.tensor([[9]])}, "out of range"),
-                            ({"x": torch.randn(1, 64).half()}, "bfloat16 or float32")]:
+                            ({"block_table": torch.tensor([[9]])}, "out of range")]:
         with pytest.raises(RuntimeError, match=message):
             stack.run(**{**args, **change})
-        stack.run(**args)  # NOTE: a refusal inside the step's team leaves no thread behind
+        if "ids" in change or "positions" in change:
+            assert not cache.any()  # NOTE: refused before a byte of the cache is written
+        cache.zero_()
+        assert torch.equal(stack.run(**args), x)  # NOTE: no thread left behind either
+        assert torch.equal(cache, written)
+        cache.zero_()
     # NOTE: no team left behind by the refusals: a kernel called alone on 64 rows (4 grains of
     # 16) forks and joins, giving what it gives row by row (one thread each).
     rows, weight = torch.randn(64, 64).to(BF16), torch.rand(64).to(BF16)

@@ -245,6 +245,14 @@ class LlamaForCausalLM:
         ``cat(x2, x1) * cat(-sin1, sin2)`` exactly (negation is exact), saving one op per
         layer; the returned sin carries that sign.
         """
+        cos_table, sin_table = self.rope_tables(num_positions)
+        cos = cos_table.index_select(0, positions)
+        sin = sin_table.index_select(0, positions)
+        return cos[:, None, :], sin[:, None, :]
+
+    def rope_tables(self, num_positions: int) -> tuple[Tensor, Tensor]:
+        """The cos and signed sin tables [rows, head_dim] that :meth:`rope` indexes, grown
+        to at least ``num_positions`` rows."""
         if num_positions > self._rope_cos.shape[0]:
             # NOTE: doubling, so a long generation grows the tables O(log n) times.
             n = max(num_positions, 2 * self._rope_cos.shape[0], 256)
@@ -253,9 +261,7 @@ class LlamaForCausalLM:
             self._rope_cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
             sin = freqs.sin().to(self.dtype)
             self._rope_sin = torch.cat((-sin, sin), dim=-1)
-        cos = self._rope_cos.index_select(0, positions)
-        sin = self._rope_sin.index_select(0, positions)
-        return cos[:, None, :], sin[:, None, :]
+        return self._rope_cos, self._rope_sin
 
     def forward(
         self,
@@ -274,17 +280,17 @@ class LlamaForCausalLM:
         head_dim, num_heads, qk_heads = cfg.head_dim, cfg.num_heads, self._qk_heads
         qk_size = qk_heads * head_dim
         half = head_dim // 2
-        cos, sin = self.rope(positions, meta.num_positions)
         slots = meta.slot_mapping
-        attention = paged_attention if meta.flex_masks is None else flex_paged_attention
-        x = F.embedding(input_ids, self.embed)
         if self.fused_ops and self.decode_layers is not None and _all_decodes(meta, num_tokens):
             group = meta.groups[0]
-            self.decode_layers.run(x, cos.view(num_tokens, head_dim),
-                                   sin.view(num_tokens, head_dim), kv_layers, slots,
-                                   group.blocks.view(num_tokens, -1), group.context_lens,
-                                   eps, self.scale)
+            x = self.decode_layers.run(
+                input_ids, self.embed, *self.rope_tables(meta.num_positions), positions,
+                kv_layers, slots, group.blocks.view(num_tokens, -1), group.context_lens, eps,
+                self.scale)
             return self._fused_logits(x, logits_indices)
+        cos, sin = self.rope(positions, meta.num_positions)
+        attention = paged_attention if meta.flex_masks is None else flex_paged_attention
+        x = F.embedding(input_ids, self.embed)
         if self.fused_ops:
             self._fused_layers(x, cos, sin, kv_layers, meta, attention)
             return self._fused_logits(x, logits_indices)

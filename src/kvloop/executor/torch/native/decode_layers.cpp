@@ -2,10 +2,13 @@
 // LlamaForCausalLM._fused_layers (RMSNorm, QKV, RoPE + KV write, attention read in place,
 // O + residual, RMSNorm, gate/up, SiLU·up, down + residual) without returning to Python
 // between the ~10 kernels of each layer (about a quarter of a one-token step was that
-// Python). Each kernel is the one the Python loop calls, so results are the same bits.
+// Python). Each kernel is the one the Python loop calls, so results are the same bits. The
+// call also takes the embedding rows and the RoPE tables' rows (three torch ops, ~0.1 ms of
+// a one-row int4 step with the host code cold after the weights streamed by).
 #include <ATen/Functions.h>
 #include <ATen/record_function.h>
 
+#include <cstring>
 #include <type_traits>
 
 #include "gemm_checks.h"
@@ -124,12 +127,13 @@ void DecodeLayers::linear(const Matrix& m, const T* x, T* out, int64_t rows,
   }
 }
 
-void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       const std::vector<at::Tensor>& caches, const at::Tensor& slots,
-                       const at::Tensor& block_table, const at::Tensor& context_lens,
-                       double eps, double scale) const {
-  const int64_t layers = static_cast<int64_t>(mats_.size() / 4);
-  TORCH_CHECK(static_cast<int64_t>(caches.size()) == layers, "DecodeLayers: one cache per layer");
+void DecodeLayers::layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                          const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+                          const at::Tensor& block_table, const at::Tensor& context_lens,
+                          double eps, double scale) const {
+  const int64_t num_layers = static_cast<int64_t>(mats_.size() / 4);
+  TORCH_CHECK(static_cast<int64_t>(caches.size()) == num_layers,
+              "DecodeLayers: one cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == mats_[1].out_features,
               "DecodeLayers: x layout");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
@@ -156,7 +160,7 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
     // NOTE: one team of threads for the whole step (team.h): each kernel's parallel part is a
     // handshake with threads already running, not an OpenMP fork and join.
     const int64_t threads = kvloop::Team::run([&] {
-      for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t l = 0; l < num_layers; ++l) {
         const Matrix* m = &mats_[4 * l];
         at::Tensor cache = caches[l];
         traced("kvloop::rms_norm", [&] { rms_norm(x, norms_[2 * l], eps, h); });
@@ -175,4 +179,56 @@ void DecodeLayers::run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
     });
     threads_.store(threads, std::memory_order_relaxed);
   });
+}
+
+at::Tensor DecodeLayers::run(const at::Tensor& ids, const at::Tensor& embed,
+                             const at::Tensor& cos_table, const at::Tensor& sin_table,
+                             const at::Tensor& positions, const std::vector<at::Tensor>& caches,
+                             const at::Tensor& slots, const at::Tensor& block_table,
+                             const at::Tensor& context_lens, double eps, double scale) const {
+  auto index = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                "DecodeLayers: ", name, " must be a contiguous CPU int64 vector");
+    return t.data_ptr<int64_t>();
+  };
+  const int64_t* id = index(ids, "ids");
+  const int64_t* pos = index(positions, "positions");
+  const int64_t T = ids.numel(), hidden = mats_[1].out_features;
+  TORCH_CHECK(positions.numel() == T, "DecodeLayers: ", T, " ids and ", positions.numel(),
+              " positions");
+  auto table = [&](const at::Tensor& t, int64_t width, const char* name) {
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == width && t.is_contiguous() && t.device().is_cpu() &&
+                    t.scalar_type() == embed.scalar_type(),
+                "DecodeLayers: ", name, " must be a contiguous CPU [rows, ", width, "] table of ",
+                embed.scalar_type());
+  };
+  table(embed, hidden, "embed");
+  table(cos_table, head_dim_, "cos_table");
+  table(sin_table, head_dim_, "sin_table");
+  TORCH_CHECK(sin_table.size(0) == cos_table.size(0), "DecodeLayers: RoPE tables' rows");
+  at::Tensor x = embed.new_empty({T, hidden});
+  at::Tensor cos = cos_table.new_empty({T, head_dim_});
+  at::Tensor sin = sin_table.new_empty({T, head_dim_});
+  // NOTE: row copies, so the same bits as F.embedding and index_select; every index is
+  // checked before a byte is written (nothing here touches the cache yet).
+  const size_t item = embed.element_size();
+  const auto* e = static_cast<const char*>(embed.data_ptr());
+  const auto* c = static_cast<const char*>(cos_table.data_ptr());
+  const auto* s = static_cast<const char*>(sin_table.data_ptr());
+  auto* xp = static_cast<char*>(x.data_ptr());
+  auto* cp = static_cast<char*>(cos.data_ptr());
+  auto* sp = static_cast<char*>(sin.data_ptr());
+  const size_t row = hidden * item, rope_row = head_dim_ * item;
+  for (int64_t r = 0; r < T; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < embed.size(0), "DecodeLayers: token id ", id[r],
+                " is outside the vocabulary (", embed.size(0), ")");
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_table.size(0), "DecodeLayers: position ", pos[r],
+                " is outside the RoPE tables (", cos_table.size(0), " rows)");
+    std::memcpy(xp + r * row, e + id[r] * row, row);
+    std::memcpy(cp + r * rope_row, c + pos[r] * rope_row, rope_row);
+    std::memcpy(sp + r * rope_row, s + pos[r] * rope_row, rope_row);
+  }
+  layers(x, cos, sin, caches, slots, block_table, context_lens, eps, scale);
+  return x;
 }

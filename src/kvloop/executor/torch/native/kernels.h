@@ -136,11 +136,14 @@ class DecodeLayers {
                std::vector<std::optional<at::Tensor>> biases, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, int64_t intermediate);
 
-  // x [T, hidden] updated in place; the step's T tokens are all decodes of T sequences.
-  void run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-           const std::vector<at::Tensor>& caches, const at::Tensor& slots,
-           const at::Tensor& block_table, const at::Tensor& context_lens, double eps,
-           double scale) const;
+  // The layers on a step of T decodes of T sequences: x [T, hidden] is ``embed``'s rows
+  // ``ids``, cos and sin the RoPE tables' rows ``positions`` (the same bits as torch's
+  // embedding and index_select); returns x after the layers.
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& embed,
+                        const at::Tensor& cos_table, const at::Tensor& sin_table,
+                        const at::Tensor& positions, const std::vector<at::Tensor>& caches,
+                        const at::Tensor& slots, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, double eps, double scale) const;
 
   // The threads that ran the last call: its team's size (team.h), 1 without a team.
   int64_t threads() const { return threads_.load(std::memory_order_relaxed); }
@@ -157,6 +160,11 @@ class DecodeLayers {
     std::vector<c10::Storage> keep;   // the memory of data and bias_data, kept alive
   };
   void check_matrix(size_t i, Matrix& m, int64_t in_features) const;
+  // The layers with x [T, hidden] updated in place and cos, sin [T, head_dim].
+  void layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+              const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+              const at::Tensor& block_table, const at::Tensor& context_lens, double eps,
+              double scale) const;
   template <typename T>
   void linear(const Matrix& m, const T* x, T* out, int64_t rows, bool accumulate) const;
 

@@ -42,9 +42,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norms"), py::arg("kinds"), py::arg("weights"), py::arg("biases"),
            py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"))
-      .def("run", &DecodeLayers::run, "a decode step's layers, x updated in place", kFree,
-           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slots"),
-           py::arg("block_table"), py::arg("context_lens"), py::arg("eps"), py::arg("scale"))
+      .def("run", &DecodeLayers::run,
+           "a decode step's layers on its token ids and positions; returns x", kFree,
+           py::arg("ids"), py::arg("embed"), py::arg("cos_table"), py::arg("sin_table"),
+           py::arg("positions"), py::arg("caches"), py::arg("slots"), py::arg("block_table"),
+           py::arg("context_lens"), py::arg("eps"), py::arg("scale"))
       .def_property_readonly("threads", &DecodeLayers::threads,
                              "the threads that ran the last call (1: no team)")
       .def_readonly_static("BF16", &DecodeLayers::kBf16)
