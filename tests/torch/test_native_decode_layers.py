@@ -134,13 +134,20 @@ def test_float32_through_the_stack_keeps_transformers_greedy_tokens(
     assert_matches(shaped, reqs, 12)
 
 
-def _stack_args(layers: int = 1, **change: object) -> dict[str, object]:
+def _stack_args(layers: int = 1, *, random: bool = False,
+                **change: object) -> dict[str, object]:
+    """A one-KV-head int4 stack: zero weights, or (``random``) codes 0..15 at a scale of
+    1/64 and an offset of -8/64 (exact in float16), so every layer changes x and the cache."""
     hidden, inter, heads, kv, d = 64, 64, 2, 1, 32
     qkv = (heads + 2 * kv) * d
+    gen = torch.Generator().manual_seed(3)
 
     def mat(n: int, k: int) -> list[torch.Tensor]:
-        return [native.pack_q4(torch.zeros(n, k, dtype=torch.int32), torch.ones(n, k // 32),
-                               torch.zeros(n, k // 32))[i] for i in range(3)]
+        codes = (torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen) if random
+                 else torch.zeros(n, k, dtype=torch.int32))
+        scale, offset = (1 / 64, -8 / 64) if random else (1.0, 0.0)
+        return list(native.pack_q4(codes, torch.full((n, k // 32), scale),
+                                   torch.full((n, k // 32), offset)))
 
     per = [(qkv, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter)]
     args: dict[str, object] = {
@@ -204,7 +211,7 @@ def test_decode_layers_refuses_x_of_another_float_type_than_its_matrices() -> No
 
 
 def test_decode_layers_refuses_bad_calls() -> None:
-    stack = KERNELS.DecodeLayers(**_stack_args())
+    stack = KERNELS.DecodeLayers(**_stack_args(random=True))
     cache = torch.zeros(2, 4, 16, 1, 32, dtype=BF16)
     args = {"ids": torch.tensor([5]), "embed": torch.randn(10, 64).to(BF16),
             "cos_table": torch.ones(8, 32, dtype=BF16),
@@ -222,6 +229,7 @@ def test_decode_layers_refuses_bad_calls() -> None:
     args["sin_table"] = torch.randn(8, 32).to(BF16)
     x = stack.run(**args)
     written = cache.clone()
+    assert written.any() and not torch.equal(x, args["embed"][5:6])  # NOTE: so both can tell
     cache.zero_()
     for change, message in [({"caches": [cache, cache]}, "one cache per layer"),
                             ({"embed": torch.randn(10, 32).to(BF16)}, "embed"),

@@ -239,8 +239,9 @@ class LlamaForCausalLM:
 
         NOTE: the tables hold what transformers computes per step (float32 ``position *
         inv_freq``, its cos and sin, cast to the activation dtype): elementwise, so a row is
-        the same bits whichever step computes it; a decode step then indexes two rows
-        instead of running ~10 small ops (~0.15 ms a step on CPU).
+        the same bits whichever step computes it; a step then indexes two rows instead of
+        running ~10 small ops (~0.15 ms a step on CPU). ``native.DecodeLayers`` copies the
+        rows of :meth:`rope_tables` itself.
         NOTE: transformers' ``rotate_half(x) * sin`` is ``cat(-x2, x1) * sin``, which equals
         ``cat(x2, x1) * cat(-sin1, sin2)`` exactly (negation is exact), saving one op per
         layer; the returned sin carries that sign.

@@ -139,11 +139,11 @@ class DecodeLayers {
   // The layers on a step of T decodes of T sequences: x [T, hidden] is ``embed``'s rows
   // ``ids``, cos and sin the RoPE tables' rows ``positions`` (the same bits as torch's
   // embedding and index_select); returns x after the layers.
-  at::Tensor run(const at::Tensor& ids, const at::Tensor& embed,
-                        const at::Tensor& cos_table, const at::Tensor& sin_table,
-                        const at::Tensor& positions, const std::vector<at::Tensor>& caches,
-                        const at::Tensor& slots, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, double eps, double scale) const;
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& embed, const at::Tensor& cos_table,
+                 const at::Tensor& sin_table, const at::Tensor& positions,
+                 const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+                 const at::Tensor& block_table, const at::Tensor& context_lens, double eps,
+                 double scale) const;
 
   // The threads that ran the last call: its team's size (team.h), 1 without a team.
   int64_t threads() const { return threads_.load(std::memory_order_relaxed); }
