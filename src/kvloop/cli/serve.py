@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, server.handle_exit)
         http.start()
         async_engine.run_here(wait_while=http.is_alive)
-        http.join()
+        while http.is_alive():  # NOTE: bounded waits, so a second signal is still handled
+            http.join(0.1)
         if not server.started:
             return 1
         n = server.aborted

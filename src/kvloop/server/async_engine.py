@@ -5,7 +5,8 @@ meet in three places only:
 
 * typed commands (add a ``ValidatedRequest``, abort, abort all) go to the engine thread
   through a deque guarded by a condition; the thread applies them between steps and sleeps
-  on the condition when it has no work (no busy spinning);
+  on the condition when it has no work (no busy spinning; woken at least every
+  ``IDLE_WAKE_S`` so that signal handlers run on ``kvloop serve``'s main thread);
 * outputs come back once per step: the thread hands the step's whole batch to the event loop
   with one ``loop.call_soon_threadsafe``, which puts each output in its request's
   ``asyncio.Queue``;
@@ -48,6 +49,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvloop.server")
+
+IDLE_WAKE_S = 0.05
+"""Longest the idle engine loop sleeps before it looks again (and lets the main thread run
+its signal handlers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,8 +251,13 @@ class AsyncEngine:
         cond = self._cond
         while True:
             with cond:
+                # NOTE: never an unbounded wait. Python runs signal handlers on the main
+                # thread only, between bytecodes; a signal whose C handler ran just before
+                # this thread blocked (or on another thread) would otherwise wait for the
+                # next request, so ``kvloop serve`` (whose main thread runs this loop) would
+                # miss a SIGTERM that arrives as it goes idle.
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                    cond.wait()
+                    cond.wait(IDLE_WAKE_S)
                 commands = list(self._commands)
                 self._commands.clear()
                 if self._stopping:
