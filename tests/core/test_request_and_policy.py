@@ -31,9 +31,42 @@ def test_request_rejects_bad_id(rid):
         Request(rid, [1, 2])
 
 
-def test_request_rejects_non_integer_priority():
+@pytest.mark.parametrize("priority", [1.5, True, 2**63, -(2**63) - 1, 10**400])
+def test_request_rejects_priority_outside_64_bits(priority):
     with pytest.raises(ValueError, match="priority"):
-        Request("r", [1], priority=1.5)
+        Request("r", [1], priority=priority)
+
+
+@pytest.mark.parametrize("priority", [2**63 - 1, -(2**63)])
+def test_priority_policy_orders_the_64_bit_extremes(priority):
+    """The priority key (``priority * aging_s + arrival``) stays finite and ordered at the
+    limits a request may carry."""
+    from kvloop.core import Scheduler
+
+    s = Scheduler(SchedulerConfig(max_model_len=64, policy="priority", aging_s=1e8),
+                  CacheConfig(block_size=4, num_gpu_blocks=16))
+    s.add_request(Request("x", [1, 2], priority=priority))
+    s.add_request(Request("zero", [1, 2]))
+    s.check_invariants()
+    first = [r.request_id for r in s.waiting]
+    assert first[0] == ("x" if priority < 0 else "zero")
+
+
+def test_add_request_is_all_or_nothing_when_the_policy_refuses():
+    """A request the policy cannot order (its key raises) leaves no trace in the scheduler."""
+    from kvloop.core import Scheduler
+
+    s = Scheduler(SchedulerConfig(max_model_len=64, policy="priority"),
+                  CacheConfig(block_size=4, num_gpu_blocks=16))
+    bad = Request("bad", [1, 2])
+    bad.priority = 10**400  # NOTE: past Request's own check, as a buggy caller might
+    for _ in range(3):
+        with pytest.raises(OverflowError):
+            s.add_request(bad)
+    assert not s.requests and not s.has_unfinished_requests() and s.num_waiting == 0
+    s.check_invariants()
+    s.add_request(Request("ok", [1, 2]))
+    assert list(s.requests) == ["ok"]
 
 
 def test_request_defaults():
@@ -355,6 +388,20 @@ def test_policy_keys_order_urgency():
         ({"stop": [""]}, "stop"),
         ({"stop": ""}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"stop": ["a"] * 65}, "stop"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": True}, "n"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 10**400}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"logprobs": True}, "logprobs"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, field):
@@ -369,6 +416,17 @@ def test_sampling_params_accepts_edges():
     assert sp.stop == ["x"] and sp.greedy
     assert SamplingParams(top_k=1).greedy
     assert not SamplingParams().greedy
+    for seed in (2**63 - 1, -(2**63)):
+        assert SamplingParams(seed=seed).seed == seed
+    SamplingParams(repetition_penalty=2.0, stop=["a"] * 64, stop_token_ids=list(range(1024)))
+    SamplingParams(repetition_penalty=1e-6)
+
+
+def test_error_messages_stay_short_for_huge_values():
+    with pytest.raises(ValueError, match=r"^seed .*, got an integer of 1329 bits$"):
+        SamplingParams(seed=10**400)
+    with pytest.raises(ValueError, match=r"got a list of 2000 items$"):
+        SamplingParams(stop=["x"] * 2000)
 
 
 # -- configs -----------------------------------------------------------------------------------

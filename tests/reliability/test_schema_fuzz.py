@@ -1,6 +1,8 @@
 """Schema fuzzing: schemathesis drives every operation of the running server's
 ``/openapi.json`` with generated requests (valid ones, and invalid ones wherever the document
-declares inputs), a few examples per operation and a time budget.
+declares inputs), a few examples per operation and a time budget, under every scheduling
+policy; then every numeric field of the request bodies gets extreme numbers (beyond 64 bits,
+at and past the 64-bit limits, the largest and tiniest floats, infinities, NaN).
 
 It fails on any 5xx, any request that hangs, any error body not in OpenAI's error shape, any
 invalid input that is not refused with a 4xx, any response that does not conform to the
@@ -48,7 +50,9 @@ import schemathesis.checks as checks  # noqa: E402
 EXAMPLES = int(os.environ.get("KVLOOP_FUZZ_EXAMPLES", "12"))
 """Examples per operation and generation mode (raise it for a deeper local run)."""
 BUDGET_S = float(os.environ.get("KVLOOP_FUZZ_BUDGET_S", "30"))
-"""Wall-clock bound of the whole fuzzing pass; examples past it are skipped."""
+"""Wall-clock bound of one policy's fuzzing pass; examples past it are skipped."""
+POLICIES = {"fcfs": {}, "priority": {}, "slo": {"slo_ttft": 1.0}, "fair": {}}
+"""Scheduling policies the server is fuzzed under, with the settings each needs."""
 REQUEST_TIMEOUT_S = 60.0
 """A request not answered within this is a hang, and fails the test."""
 
@@ -136,7 +140,10 @@ def _fuzz(op: Any, mode: GenerationMode, exercise: Callable[[Any, Any], None]) -
         run()
 
 
-def test_every_operation_survives_fuzzing(server: LiveServer) -> None:
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_operation_survives_fuzzing(new_server: Callable[..., LiveServer],
+                                          policy: str) -> None:
+    server = new_server(scheduling_policy=policy, **POLICIES[policy])
     doc = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
     schema = schemathesis.openapi.from_dict(doc)
     schema.config.update(base_url=server.url)
@@ -197,3 +204,51 @@ def test_every_operation_survives_fuzzing(server: LiveServer) -> None:
     if tolerated:
         warnings.warn("OpenAPI document gaps the fuzzer could not check: "
                       + "; ".join(sorted(tolerated)), stacklevel=1)
+
+
+EXTREMES: list[Any] = [10**400, -(10**400), 2**64, 2**63, 2**63 - 1, -(2**63), -(2**63) - 1,
+                       1e308, -1e308, 5e-324, 1e-45, 1e-39, 1e-38, -0.0, -1, 0, 1,
+                       float("inf"), float("-inf"), float("nan")]
+"""Numbers at and past what 64-bit integers and doubles hold (JSON written by Python's
+``json``, which spells the last three ``Infinity``, ``-Infinity`` and ``NaN``)."""
+NUMERIC_FIELDS = {
+    "/v1/completions": ["max_tokens", "temperature", "top_p", "n", "min_tokens", "seed",
+                        "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                        "repetition_penalty", "priority", "slo_ttft", "slo_tpot", "logprobs",
+                        "best_of", "stop_token_ids", "logit_bias", "prompt"],
+    "/v1/chat/completions": ["max_completion_tokens", "top_logprobs", "temperature",
+                             "priority", "seed"],
+}
+"""Fields that take numbers (``stop_token_ids``, ``logit_bias`` and ``prompt`` inside a list or
+an object)."""
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_extreme_numbers_in_every_numeric_field(new_server: Callable[..., LiveServer],
+                                                policy: str) -> None:
+    """No number in any field is a 5xx; each is answered (200, or a 4xx in OpenAI's shape),
+    and nothing is left behind."""
+    import json
+
+    server = new_server(scheduling_policy=policy, **POLICIES[policy])
+    bases = {"/v1/completions": {"prompt": "hello world", "max_tokens": 2},
+             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2, "logprobs": True}}
+    failures, statuses = [], Counter()
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        for path, fields in NUMERIC_FIELDS.items():
+            for field in fields:
+                for value in EXTREMES:
+                    shaped = ([value] if field in ("stop_token_ids", "prompt") else
+                              {"5": value} if field == "logit_bias" else value)
+                    body = json.dumps({**bases[path], field: shaped})
+                    r = http.post(f"{server.url}{path}", content=body,
+                                  headers={"content-type": "application/json"})
+                    statuses[r.status_code] += 1
+                    if r.status_code >= 500 or (r.status_code >= 400
+                                                and _error_shape_problem(r)):
+                        failures.append(f"{path} {field}={value!r:.30}: {r.status_code} "
+                                        f"{r.text[:200]}")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    assert statuses[200] and statuses[400], statuses  # both kinds of answer were reached
+    assert_no_leaks(server)

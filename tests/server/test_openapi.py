@@ -119,8 +119,8 @@ def test_documented_ranges_are_enforced(server: LiveServer, doc: dict[str, Any])
          {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
     ):
         for field, key, bound in _bounds(doc, model):
-            is_int = any(t.get("type") == "integer" for t in
-                         doc["components"]["schemas"][model]["properties"][field]["anyOf"])
+            prop = doc["components"]["schemas"][model]["properties"][field]
+            is_int = any(t.get("type") == "integer" for t in prop.get("anyOf", [prop]))
             step = 1 if is_int else 1e-3
             outside = bound - step if key != "maximum" else bound + step
             body = {"max_tokens": 1, **base, field: outside}

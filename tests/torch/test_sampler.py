@@ -43,18 +43,63 @@ def test_greedy_is_argmax(device):
     assert lps == [None] * 6
 
 
-def test_greedy_ties_and_nan_as_torch(device):
-    """Greedy picks the first of equal maxima, and a NaN as the largest, as torch's argmax
-    does (on CPU the sampler takes numpy's); bfloat16 logits and a padded, strided vocabulary
-    too."""
+def test_greedy_ties_as_torch_and_no_token_from_nan(device):
+    """Greedy picks the first of equal maxima, as torch's argmax does (on CPU the sampler
+    takes kvloop's kernel or numpy's), on both paths; a row holding a NaN gets no token (None)
+    and leaves the other rows alone; bfloat16 logits and a padded, strided vocabulary too."""
+    import kvloop.executor.torch.sampler as sampler_mod
+
     nan, inf = float("nan"), float("inf")
     rows = [[1.0, 3.0, 3.0, 2.0, 0.0], [1.0, nan, 5.0, nan, 0.0], [-inf] * 5,
-            [0.0, 0.0, 0.0, 0.0, 7.0], [2.0, -1.0, inf, inf, 0.0]]
+            [0.0, 0.0, 0.0, 0.0, 7.0], [2.0, -1.0, inf, inf, 0.0], [nan] * 5]
     for dtype in (torch.float32, torch.bfloat16):
         padded = torch.tensor([[*r, 9.0] for r in rows], dtype=dtype, device=device)
         tokens, _ = Sampler(5, device).sample(padded, [state(temperature=0.0)] * len(rows))
-        assert tokens == [1, 1, 0, 4, 2]
-        assert tokens == padded[:, :5].float().argmax(-1).tolist()
+        assert tokens == [1, None, 0, 4, 2, None]
+        expected = padded[:, :5].float().argmax(-1).tolist()
+        assert [t for t in tokens if t is not None] == [expected[i] for i in (0, 2, 3, 4)]
+        full, lps = Sampler(5, device).sample(  # the full path: logprobs asked for
+            padded, [state(temperature=0.0, logprobs=1)] * len(rows))
+        assert full == tokens and len(lps) == len(rows)
+    real = sampler_mod._argmax_only
+    try:
+        sampler_mod._argmax_only = lambda s: False
+        assert Sampler(5, device).sample(padded, [state(temperature=0.0)] * len(rows))[0] == (
+            tokens)
+    finally:
+        sampler_mod._argmax_only = real
+
+
+def test_random_rows_with_nan_get_no_token(device):
+    """A sampled row whose logits hold a NaN, or whose probabilities do (+inf logits), gets
+    None; the greedy and sampled rows beside it are drawn as without it."""
+    nan, inf = float("nan"), float("inf")
+    logits = rand_logits(5, 12, 3, device)
+    bad = logits.clone()
+    bad[1, 4] = nan
+    bad[3, 7] = inf
+    states = [state(temperature=0.0), state(seed=5), state(seed=6), state(seed=7, top_p=0.9),
+              state(seed=8, min_p=0.1)]
+    sampler = Sampler(12, device)
+    good = sampler.sample(logits, states)[0]
+    tokens, _ = sampler.sample(bad, states)
+    assert tokens == [good[0], None, good[2], None, good[4]]
+    assert all(isinstance(t, int) for t in good)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-38, 1e-45, 5e-324])
+def test_tiny_temperatures_are_greedy(device, temperature):
+    """Below ``GREEDY_TEMPERATURE`` a request samples greedily (as vLLM), where dividing the
+    logits by the temperature would overflow them; the ones just above still sample."""
+    from kvloop.sampling_params import GREEDY_TEMPERATURE
+
+    logits = rand_logits(3, 40, 4, device, scale=20.0)
+    tokens, _ = Sampler(40, device).sample(logits, [state(temperature=temperature, seed=1)] * 3)
+    assert tokens == logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    near, _ = Sampler(40, device).sample(logits, [state(temperature=GREEDY_TEMPERATURE)] * 3)
+    assert near == logits.argmax(-1).tolist()  # scale 20: the top token wins at once
 
 
 def test_plain_greedy_takes_one_argmax_call(device, monkeypatch):

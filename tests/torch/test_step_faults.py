@@ -150,3 +150,43 @@ def test_a_failed_step_never_yields_a_wrong_answer(
             assert out.token_ids == llama_model.greedy(p, max_tokens), f"r{i} is wrong"
         else:
             assert out.finish_reason == "error" and "InjectedFault" in out.error
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_nan_row_fails_its_request_alone(llama_model: TinyModel, temperature: float) -> None:
+    """Logits that are not numbers for one request (a broken model, an overflow) fail that
+    request with an error saying so, at the step they appear; the requests beside it in the
+    same steps still give a solo run's tokens, and every block returns to the pool."""
+    runner = make_runner(llama_model, num_gpu_blocks=40)
+    sample = runner.sampler.sample
+
+    def poisoned(logits: Any, states: list[Any]) -> Any:
+        for row, st in enumerate(states):  # NOTE: the victim is the one asking 9 tokens
+            if st.params.max_tokens == 9 and len(st.output_token_ids) >= 2:
+                logits[row, 5] = float("nan")
+        return sample(logits, states)
+
+    runner.sampler.sample = poisoned  # type: ignore[method-assign]
+    sched = Scheduler(SchedulerConfig(max_model_len=256, max_num_batched_tokens=64),
+                      CacheConfig(block_size=runner.block_size,
+                                  num_gpu_blocks=runner.num_gpu_blocks))
+    engine = LLMEngine(sched, runner, vocab_size=llama_model.vocab_size)
+    prompts = prompts_of([9, 6, 11], llama_model.vocab_size, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    victim = SamplingParams(temperature=temperature, max_tokens=9, ignore_eos=True, seed=1)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, victim if i == 1 else greedy)
+    done = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        sched.check_invariants()
+    assert not engine.has_unfinished_requests() and sched.kv.num_used_blocks == 0
+    assert done["r1"].finish_reason == "error" and "NaN" in done["r1"].error
+    assert len(done["r1"].token_ids) == 2
+    for i in (0, 2):
+        assert done[f"r{i}"].error is None
+        assert done[f"r{i}"].token_ids == llama_model.greedy(prompts[i], 8)

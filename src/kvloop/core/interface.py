@@ -92,6 +92,9 @@ class ModelRunnerOutput:
     """Measured (real runner) or predicted (simulator) duration of the step."""
     logprobs: dict[str, list[dict[int, float]]] | None = None
     """Per request, per sampled token, the top-n token -> log-probability (if asked)."""
+    errors: dict[str, str] | None = None
+    """Requests of the step that should have sampled and could not, with the reason (e.g.
+    NaN logits): each fails alone, the rest of the step goes on."""
 
 
 class Executor(Protocol):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvloop.core.prefix_hash import chain_hashes, root_hash, token_bytes
-from kvloop.sampling_params import SamplingParams
+from kvloop.sampling_params import SamplingParams, is_int64, shown
 
 if TYPE_CHECKING:
     from kvloop.core.group import SequenceGroup
@@ -105,8 +105,9 @@ class Request:
             raise ValueError("request_id must be a non-empty string")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not is_int64(priority):
+            raise ValueError(f"priority must be an integer in [-2^63, 2^63 - 1], got "
+                             f"{shown(priority)}")
         if not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string, got {tenant!r}")
         for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):

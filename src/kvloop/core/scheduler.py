@@ -87,23 +87,17 @@ class Scheduler(Preemption, GroupForking, Admission):
 
     # -- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or finish it at once with an error if it can never run."""
+        """Queue a request, or finish it at once with an error if it can never run.
+
+        NOTE: all or nothing: when this raises (a duplicate id, a policy that cannot order
+        the request), the scheduler holds no trace of the request."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} is not new")
-        if self.recorder is not None:
-            self._arrived.append(
-                (request.request_id, request.arrival_time, request.num_prompt_tokens)
-            )
-            info = {name: value for name, value in (
-                ("tenant", request.tenant), ("priority", request.priority),
-                ("slo_ttft", request.slo_ttft or self.config.slo_ttft),
-                ("slo_tpot", request.slo_tpot or self.config.slo_tpot)) if value}
-            if info:
-                self._arrived_info[request.request_id] = info
         error = self._never_fits(request)
         if error is not None:
+            self._record_arrival(request)
             request.error = error
             request.status = RequestStatus.FINISHED_ERROR
             request.finished_time = self.clock()
@@ -116,9 +110,22 @@ class Scheduler(Preemption, GroupForking, Admission):
         if params.n > 1:
             request.group = SequenceGroup(request, params.n)
         request.arrival_order = self._num_added
+        self.waiting.add(request)  # NOTE: first: the policy's key may refuse the request
         self._num_added += 1
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self._record_arrival(request)
+
+    def _record_arrival(self, request: Request) -> None:
+        if self.recorder is None:
+            return
+        self._arrived.append((request.request_id, request.arrival_time,
+                              request.num_prompt_tokens))
+        info = {name: value for name, value in (
+            ("tenant", request.tenant), ("priority", request.priority),
+            ("slo_ttft", request.slo_ttft or self.config.slo_ttft),
+            ("slo_tpot", request.slo_tpot or self.config.slo_tpot)) if value}
+        if info:
+            self._arrived_info[request.request_id] = info
 
     def _never_fits(self, request: Request) -> str | None:
         cfg = self.config
@@ -393,7 +400,9 @@ class Scheduler(Preemption, GroupForking, Admission):
                 continue
             tokens = sampled.get(rid)
             if not tokens:
-                req.error = "the executor returned no token for a completed step"
+                errors = runner_output.errors
+                req.error = ((errors.get(rid) if errors else None)
+                             or "the executor returned no token for a completed step")
                 finished.append((req, RequestStatus.FINISHED_ERROR))
                 touched.append(req)
                 continue

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
 from kvloop.errors import InvalidRequestError
-from kvloop.sampling_params import SamplingParams
+from kvloop.sampling_params import SamplingParams, is_int64, shown
 
 __all__ = [
     "MAX_SLO_S",
@@ -290,12 +290,13 @@ def validate_request(
     if params.stop and tokenizer is None:
         raise InvalidRequestError("stop", "stop strings need a tokenizer (this engine has "
                                   "none: skip_tokenizer_init); use stop_token_ids")
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise InvalidRequestError("priority", f"priority must be an integer, got {priority!r}")
+    if not is_int64(priority):
+        raise InvalidRequestError("priority", "priority must be an integer in [-2^63, 2^63 - 1], "
+                                  f"got {shown(priority)}")
     salt = cache_salt if cache_salt is not None else enc.cache_salt
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string, "
-                                  f"got {salt!r}")
+                                  f"got {shown(salt)}")
     tenant = check_tenant(tenant)
     slo_ttft = check_slo("slo_ttft", slo_ttft)
     slo_tpot = check_slo("slo_tpot", slo_tpot)
@@ -328,7 +329,7 @@ def check_slo(field: str, value: float | None) -> float | None:
     if (not isinstance(value, int | float) or isinstance(value, bool)
             or not math.isfinite(value) or not 0 < value < MAX_SLO_S):
         raise InvalidRequestError(field, f"{field} must be a positive, finite number of "
-                                  f"seconds (below {MAX_SLO_S:g}), got {value!r}")
+                                  f"seconds (below {MAX_SLO_S:g}), got {shown(value)}")
     return float(value)
 
 

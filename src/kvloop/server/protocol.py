@@ -20,6 +20,14 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvloop.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
+)
 from kvloop.server.errors import from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
@@ -48,7 +56,7 @@ class _Sampling(_Strict):
 
     model: str | None = None
     max_tokens: int | None = _doc(minimum=1)
-    temperature: float | None = _doc(minimum=0)
+    temperature: float | None = _doc(minimum=0, description="Below 1e-5: greedy.")
     top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
     n: int | None = _doc(minimum=1, description="Sequences sampled from the prompt (at most "
                          "the server's max_num_seqs); they share its KV blocks.")
@@ -56,8 +64,9 @@ class _Sampling(_Strict):
                                   "cannot end the output before this many tokens.")
     stream: bool = False
     stream_options: StreamOptions | None = _doc(description="Needs `stream: true`.")
-    stop: str | list[str] | None = _doc(minLength=1, items={"minLength": 1})
-    seed: int | None = None
+    stop: str | list[str] | None = _doc(minLength=1, maxItems=MAX_STOP_STRINGS,
+                                        items={"minLength": 1})
+    seed: int | None = _doc(minimum=INT64_MIN, maximum=INT64_MAX)
     presence_penalty: float | None = _doc(minimum=-2, maximum=2)
     frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = _doc(maxProperties=0,
@@ -67,12 +76,15 @@ class _Sampling(_Strict):
     # vLLM's extras
     top_k: int | None = _doc(minimum=-1, description="0 or -1: all tokens.")
     min_p: float | None = _doc(minimum=0, maximum=1)
-    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
+    repetition_penalty: float | None = _doc(minimum=MIN_REPETITION_PENALTY,
+                                            maximum=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = _doc(items={"minimum": 0})
-    priority: int = 0
+    stop_token_ids: list[int] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS,
+                                            items={"minimum": 0, "maximum": INT64_MAX})
+    priority: int = _doc(0, minimum=INT64_MIN, maximum=INT64_MAX,
+                         description="Lower runs first under `--scheduling-policy priority`.")
     cache_salt: str | None = _doc(minLength=1)
-    # kvloop's scheduling extras (issue 13)
+    # kvloop's scheduling extras
     tenant: str | None = _doc(maxLength=256, description="The tenant, overriding `user`.")
     slo_ttft: float | None = _doc(exclusiveMinimum=0, description="Time-to-first-token "
                                   "target in seconds (default: the server's --slo-ttft).")

@@ -233,13 +233,14 @@ class TorchModelRunner:
         start = time.perf_counter()
         with torch.inference_mode():
             self._apply_changes(scheduler_output)
-            sampled, logprobs = self._run(scheduler_output)
+            sampled, logprobs, errors = self._run(scheduler_output)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return ModelRunnerOutput(
             sampled_token_ids=sampled,
             step_time_s=time.perf_counter() - start,
             logprobs=logprobs,
+            errors=errors,
         )
 
     def _apply_changes(self, so: SchedulerOutput) -> None:
@@ -285,11 +286,12 @@ class TorchModelRunner:
         )
         return _RequestState(prompt, output, list(new.block_ids), new.num_computed_tokens, sampling)
 
-    def _run(
-        self, so: SchedulerOutput
-    ) -> tuple[dict[str, Sequence[int]], dict[str, list[dict[int, float]]] | None]:
+    def _run(self, so: SchedulerOutput) -> tuple[
+            dict[str, Sequence[int]], dict[str, list[dict[int, float]]] | None,
+            dict[str, str] | None]:
+        """The step's sampled tokens, logprobs, and why a request got no token."""
         if not so.num_scheduled_tokens:
-            return {}, None
+            return {}, None, None
         requests = self.requests
         decodes: list[tuple[int, str]] = []
         prefills: list[tuple[int, str]] = []
@@ -340,17 +342,22 @@ class TorchModelRunner:
                   torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True))
         logits = self.model.forward(ids_t, positions, self.kv_cache.layers, meta, rows_t)
         if not sample_ids:
-            return {}, None
+            return {}, None, None
         states = [requests[rid].sampling for rid in sample_ids]
         tokens, token_logprobs = self.sampler.sample(logits, states)
         sampled: dict[str, Sequence[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] = {}
+        errors: dict[str, str] = {}
         for rid, state, tok, lp in zip(sample_ids, states, tokens, token_logprobs, strict=True):
+            if tok is None:
+                errors[rid] = ("the model's output for this request is not a number (NaN): "
+                               "no token can be sampled from it")
+                continue
             state.output_token_ids.append(tok)
             sampled[rid] = [tok]
             if lp is not None:
                 logprobs[rid] = [lp]
-        return sampled, logprobs or None
+        return sampled, logprobs or None, errors or None
 
 
 def _check_disjoint(out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:

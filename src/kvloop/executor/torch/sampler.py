@@ -6,6 +6,10 @@ logits, random rows are scaled by their temperature, then filtered by top-k, top
 and sampled. Logprobs are those of the raw logits (vLLM's default ``raw_logprobs``).
 
 Every stage is vectorised over the batch and skipped when no row in the batch uses it.
+
+A row whose logits or probabilities are not numbers (NaN: a broken model, or logits that
+overflowed) gets no token: ``sample`` returns None for it and the runner fails that request
+with a clear error, instead of emitting whatever an argmax makes of NaN.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvloop.executor.torch import native
@@ -208,38 +213,44 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, states: list[SamplingState]
-    ) -> tuple[list[int], list[dict[int, float] | None]]:
+    ) -> tuple[list[int | None], list[dict[int, float] | None]]:
         """Sample a token for each row of ``logits`` ([N, V], one row per state).
 
-        Returns the token ids and, per row, a dict token id -> logprob (raw logits) of the
-        top ``params.logprobs`` tokens plus the sampled one, or None when not asked for.
+        Returns the token ids (None for a row whose distribution holds a NaN: nothing can be
+        sampled from it) and, per row, a dict token id -> logprob (raw logits) of the top
+        ``params.logprobs`` tokens plus the sampled one, or None when not asked for.
         Columns past ``vocab_size`` (padded vocabularies) are ignored.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(states), "one row per state"
         if not states:
             return [], []
         if all(_argmax_only(s) for s in states):
-            return self._argmax_tokens(logits), [None] * len(states)
+            columns = min(self.vocab_size, logits.shape[-1])
+            return _unless_nan(self._argmax_tokens(logits), logits[:, :columns]), (
+                [None] * len(states))
         raw = logits[:, : self.vocab_size].float()
         x = apply_min_tokens(apply_penalties(raw, states), states)
         rand_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         greedy = _argmax(x) if len(rand_rows) < len(states) else None
         tokens = greedy
+        chosen = x  # NOTE: what each row's token was picked from, to find NaN rows in
         if rand_rows:
-            sampled = self._sample_random(x, [states[i] for i in rand_rows], rand_rows)
-            tokens = (
-                sampled
-                if greedy is None
-                else greedy.index_copy(0, torch.tensor(rand_rows, device=x.device), sampled)
-            )
+            sampled, probs = self._sample_random(x, [states[i] for i in rand_rows], rand_rows)
+            if greedy is None:
+                tokens, chosen = sampled, probs
+            else:
+                rows = torch.tensor(rand_rows, device=x.device)
+                tokens = greedy.index_copy(0, rows, sampled)
+                chosen = x.index_copy(0, rows, probs)
         assert tokens is not None
         logprobs = _logprobs(raw, tokens, states)
-        return tokens.tolist(), logprobs
+        return _unless_nan(tokens.tolist(), chosen), logprobs
 
     def _sample_random(
         self, x: torch.Tensor, states: list[SamplingState], rows: list[int]
-    ) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then a draw, for the non-greedy rows."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, top-k, top-p, min-p, then a draw, for the non-greedy rows: their
+        tokens, and what each was the argmax of (probabilities over noise)."""
         dev, v = x.device, x.shape[-1]
         if len(rows) < x.shape[0]:
             x = x.index_select(0, torch.tensor(rows, device=dev))
@@ -255,7 +266,25 @@ class Sampler:
         min_ps = [pr.min_p for pr in params]
         if any(m > 0.0 for m in min_ps):
             x = apply_min_p(x, torch.tensor(min_ps, dtype=x.dtype, device=dev))
-        return _draw(x.softmax(dim=-1), [s.generator(dev) for s in states])
+        probs = x.softmax(dim=-1)
+        # NOTE: ``_draw`` divides ``probs`` in place by noise >= the smallest normal float,
+        # which leaves every probability finite and every NaN a NaN: what the NaN check needs.
+        return _draw(probs, [s.generator(dev) for s in states]), probs
+
+
+def _unless_nan(tokens: list[int], values: torch.Tensor) -> list[int | None]:
+    """``tokens`` (one per row of ``values``, each its row's argmax or draw) with None where
+    the chosen value is NaN. NOTE: an argmax, torch's or kvloop's, picks a row's first NaN,
+    and the exponential race's argmax too, so a row holds a NaN exactly when its chosen
+    value is one: one gather, not a pass over the rows."""
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        picked = values.numpy()[np.arange(len(tokens)), tokens]
+    else:
+        idx = torch.tensor(tokens, device=values.device).unsqueeze(1)
+        picked = values.gather(1, idx).squeeze(1).float().cpu().numpy()
+    if not np.isnan(picked).any():
+        return list(tokens)
+    return [None if bad else t for t, bad in zip(tokens, np.isnan(picked).tolist(), strict=True)]
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
