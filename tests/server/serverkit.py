@@ -31,7 +31,9 @@ from kvloop.engine.args import EngineArgs  # noqa: E402
 from kvloop.engine.llm_engine import LLMEngine  # noqa: E402
 from kvloop.server.app import ServerConfig, create_app  # noqa: E402
 from kvloop.server.async_engine import AsyncEngine  # noqa: E402
+from kvloop.server.connection import protocol_class  # noqa: E402
 from kvloop.server.draining import DrainingServer  # noqa: E402
+from kvloop.server.limits import ConnectionLimits  # noqa: E402
 from kvloop.server.metrics import ServerMetrics  # noqa: E402
 
 MODEL_NAME = "tiny-llama"
@@ -157,8 +159,10 @@ class LiveServer:
 def start_server(model_path: Path, *, api_key: str | None = None,
                  max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
                  server_config: dict[str, Any] | None = None,
+                 connection_limits: ConnectionLimits | None = None,
                  **engine_args: Any) -> LiveServer:
-    """Serve the tiny model in this process: uvicorn on a background thread.
+    """Serve the tiny model in this process: uvicorn on a background thread, with
+    ``kvloop serve``'s connection limits (``connection_limits``, default: its defaults).
 
     ``server_config``: more ``ServerConfig`` fields (``max_request_bytes``, ...)."""
     args = EngineArgs(model=str(model_path), **{**ENGINE_ARGS, **engine_args})
@@ -171,8 +175,9 @@ def start_server(model_path: Path, *, api_key: str | None = None,
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = DrainingServer(
-        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), aengine,
-        shutdown_timeout)
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                       http=protocol_class(connection_limits or ConnectionLimits())),
+        aengine, shutdown_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

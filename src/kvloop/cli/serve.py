@@ -19,6 +19,10 @@ from typing import IO, Any
 from kvloop.cli.args import add_model_args, engine_args_from, format_size
 from kvloop.cli.serve_ray import add_cluster_args, check_cluster_args, run_replicas
 from kvloop.server import DEFAULT_MAX_REQUEST_BYTES
+from kvloop.server.limits import BODY_MIN_RATE, ConnectionLimits
+
+LIMITS = ConnectionLimits()
+"""The connection limits' defaults."""
 
 RESPONSE_FLUSH_S = 5
 """After the drain, how long uvicorn may take to send the last responses."""
@@ -44,6 +48,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="answer 413 to a request body larger than this, before reading it "
                    f"(default: {DEFAULT_MAX_REQUEST_BYTES} = 1 MiB, as nginx; 0: no limit)")
+    g.add_argument("--max-header-bytes", type=int, default=LIMITS.max_header_bytes,
+                   help="answer 431 to request headers larger than this, and close the "
+                   f"connection (default: {LIMITS.max_header_bytes} = 64 KiB)")
+    g.add_argument("--header-timeout", type=float, default=LIMITS.header_timeout_s,
+                   help="seconds a client may take to send its request headers, else 408 "
+                   f"and close (default: {LIMITS.header_timeout_s:g})")
+    g.add_argument("--body-timeout", type=float, default=LIMITS.body_timeout_s,
+                   help="seconds a client may take to send its request body, plus one per "
+                   f"{BODY_MIN_RATE} bytes sent, else 408 and close (default: "
+                   f"{LIMITS.body_timeout_s:g})")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--trace-out", default=None,
@@ -67,6 +81,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--log-interval must be >= 0")
     if args.max_request_bytes < 0:
         raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
+    connection_limits(args)
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The ``--max-header-bytes``, ``--header-timeout`` and ``--body-timeout`` limits
+    (``ValueError`` naming the flag)."""
+    return ConnectionLimits(args.max_header_bytes, args.header_timeout, args.body_timeout)
 
 
 def check_address(host: str, port: int) -> int:
@@ -159,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.engine.llm_engine import LLMEngine
     from kvloop.server.app import ServerConfig, create_app
     from kvloop.server.async_engine import AsyncEngine
+    from kvloop.server.connection import protocol_class
     from kvloop.server.draining import DrainingServer
     from kvloop.server.metrics import ServerMetrics
 
@@ -195,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         server = DrainingServer(
             uvicorn.Config(app, host=args.host, port=port, log_level="info",
                            access_log=not args.disable_uvicorn_access_log,
-                           timeout_graceful_shutdown=RESPONSE_FLUSH_S),
+                           timeout_graceful_shutdown=RESPONSE_FLUSH_S,
+                           http=protocol_class(connection_limits(args))),
             async_engine, args.shutdown_timeout,
         )
         url = f"http://{_url_host(args.host)}:{port}"

@@ -3,8 +3,10 @@
 ``create_app`` takes an ``AsyncEngine`` that is not started yet; the app's lifespan starts
 its thread (and the periodic stats line) and stops it on shutdown.
 
-A request meets, in order: the API key check for anything under ``/v1`` (401), the body-size
-limit (413, ``middleware.py``), the drain check (503), then its body is read and handed to a
+A request meets, in order: the connection's limits on header size and on how slowly headers
+and body may arrive (431, 408: ``connection.py``, in uvicorn's protocol), ``HEAD`` answered
+as ``GET``, the API key check for anything under ``/v1`` (401), the body-size limit (413,
+``middleware.py``), the drain check (503), then its body is read and handed to a
 prompt worker thread that parses, templates, tokenizes and validates it
 (``prompt_workers.py``: 429 when too many wait) before the engine thread gets it. The event
 loop itself only moves bytes, so ``/health`` and the streams in flight never wait on a
@@ -28,20 +30,18 @@ from pydantic import BaseModel
 import kvloop
 from kvloop.server import errors, openapi
 from kvloop.server.async_engine import AsyncEngine
-from kvloop.server.errors import APIError
+from kvloop.server.errors import CLIENT_CLOSED, APIError
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.middleware import (
     DEFAULT_MAX_REQUEST_BYTES,
     APIKeyMiddleware,
     BodyLimitMiddleware,
+    HeadAsGetMiddleware,
 )
 from kvloop.server.prompt_workers import DEFAULT_MAX_BACKLOG, DEFAULT_WORKERS, PromptWorkers
 from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvloop.server.serving import Job, OpenAIServing
 from kvloop.server.stats_logger import StatsLogger
-
-CLIENT_CLOSED = 499
-"""Status logged for a request whose client went away (nothing is sent)."""
 
 
 @dataclass
@@ -151,6 +151,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
         app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(HeadAsGetMiddleware)
 
     def admit() -> None:
         if engine.draining:

@@ -13,9 +13,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from kvloop.server.limits import BODY_TIMEOUT_KEY
 
 logger = logging.getLogger("kvloop.server")
 
@@ -31,6 +34,8 @@ _TYPES = {
 }
 
 
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client went away (nothing is sent)."""
 RETRY_AFTER_S = 1
 """``Retry-After`` (seconds) of a 429 that does not name its own."""
 
@@ -165,6 +170,18 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # NOTE: keeps the exception's headers (a 405's ``Allow``).
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> Response:
+        # NOTE: a client that closes its connection mid-upload is the client's business:
+        # one line, no traceback (and nothing can be sent back). When the server closed it
+        # (``connection.py``: the body was too slow), that one line was logged there.
+        client = request.client
+        level = logging.DEBUG if request.scope.get(BODY_TIMEOUT_KEY) else logging.INFO
+        logger.log(level, "%s closed the connection before its request body arrived (%s %s)",
+                   f"{client.host}:{client.port}" if client else "a client", request.method,
+                   request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

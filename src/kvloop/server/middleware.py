@@ -3,6 +3,8 @@
 * :class:`APIKeyMiddleware`: with ``--api-key``, every request under ``/v1`` needs the key,
   whatever its path or method, so that unknown paths and wrong methods answer 401 rather
   than 404/405 (no probing the API without a key).
+* :class:`HeadAsGetMiddleware`: ``HEAD`` wherever ``GET`` is allowed (``/health`` for load
+  balancers' probes): the request runs as a ``GET``, and uvicorn sends only its headers.
 * :class:`BodyLimitMiddleware`: ``--max-request-bytes``. A ``Content-Length`` over the limit
   is answered 413 before one byte of the body is read; a body without one (chunked) is
   counted as it streams in and the request ends with 413 as soon as it passes the limit, so
@@ -30,7 +32,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "APIKeyMiddleware", "BodyLimitMiddleware",
-           "RequestTooLargeError"]
+           "HeadAsGetMiddleware", "RequestTooLargeError"]
 
 
 class RequestTooLargeError(APIError):
@@ -81,6 +83,22 @@ class APIKeyMiddleware:
             return
         await send_error(send, APIError(
             401, "invalid or missing API key (Authorization: Bearer ...)"))
+
+
+class HeadAsGetMiddleware:
+    """``HEAD`` answered as ``GET`` without its body (see the module docstring).
+
+    NOTE: the app gets a copy of the scope whose method is ``GET``; uvicorn's own scope
+    still says ``HEAD``, so it sends the headers (``content-length`` included) and drops
+    the body. A path without ``GET`` answers 405, as for any method it does not allow."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
