@@ -27,8 +27,8 @@ from kvloop.server.prompt_workers import PromptWorkers
 
 
 class HookedTokenizer:
-    """The real tokenizer, with ``encode`` and ``apply_chat_template`` counted and delayed
-    by ``delay`` seconds or held until ``gate`` is set."""
+    """The real tokenizer, with ``encode`` (which chats use too, after the template) counted
+    and delayed by ``delay`` seconds or held until ``gate`` is set."""
 
     def __init__(self, inner: Any, delay: float = 0.0, gate: threading.Event | None = None
                  ) -> None:
@@ -45,14 +45,9 @@ class HookedTokenizer:
             self.gate.wait(20)
         time.sleep(self.delay)
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self._hold()
-        return self.inner.encode(prompt)
-
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True
-                            ) -> list[int]:
-        self._hold()
-        return self.inner.apply_chat_template(messages, add_generation_prompt)
+        return self.inner.encode(prompt, add_special_tokens)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -9,8 +9,9 @@ result; the scheduler keeps one last-line check.
 
 The functions are pure (limits and tokenizer are read-only), so the server calls them on
 worker threads (``server/prompt_workers.py``) and hands the validated object to the engine
-thread. A text prompt too long to possibly fit is refused before it is tokenized
-(``check_prompt_chars``, with the bound of ``max_token_chars``).
+thread. A text prompt too long to possibly fit is refused before it is tokenized: by its
+characters (``check_prompt_chars``, with the bound of ``max_token_chars``), and by its words
+where each word is a token at least (``check_prompt_words``, reading only that many words).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "TokensPrompt",
     "ValidatedRequest",
     "check_prompt_chars",
+    "check_prompt_words",
     "check_slo",
     "check_tenant",
     "default_max_tokens",
@@ -191,6 +193,22 @@ def check_prompt_chars(num_chars: int, limits: EngineLimits, token_chars: int | 
             f"{limits.max_total_tokens - 1}")
 
 
+def check_prompt_words(text: str, limits: EngineLimits, tokenizer: Any,
+                       field: str = "prompt") -> None:
+    """Refuse a text of more words than the engine takes prompt tokens, when each word is
+    at least one token (``Tokenizer.token_floor``), before it is encoded; the check reads
+    at most that many words (``InvalidRequestError`` naming ``field``)."""
+    floor = getattr(tokenizer, "token_floor", None)
+    if floor is None:
+        return
+    limit = limits.max_total_tokens - 1
+    if floor(text, limit + 1) > limit:
+        raise InvalidRequestError(
+            field, f"{field} has more than {limit} words, so more than {limit} tokens (no "
+            f"token of this model spans two words); the model takes at most {limit} "
+            f"(max_model_len {limits.max_model_len}, KV cache {limits.kv_cache_tokens} tokens)")
+
+
 def encode_prompt(
     prompt: PromptInput, limits: EngineLimits, tokenizer: Encoder | None = None,
     *, token_chars: int | None = None,
@@ -210,6 +228,7 @@ def encode_prompt(
             raise InvalidRequestError(
                 "prompt", "prompt must be token ids: this engine has no tokenizer "
                 "(skip_tokenizer_init)")
+        check_prompt_words(prompt, limits, tokenizer)
         ids = tuple(tokenizer.encode(prompt))
         if not ids:
             raise InvalidRequestError("prompt", "prompt must not be empty (it encodes to no "

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvloop.engine.chat_template import render_chat_template
 from kvloop.engine.detokenizer import Detokenizer
+from kvloop.engine.token_floor import count_words, splits_words
 
 RECORD_VERSION = 1
 """Part of the cache key: bump it when the record's meaning changes."""
@@ -110,6 +111,9 @@ class Tokenizer:
         self._bos: int | None = record["bos_token_id"]
         self._eos: int | None = record["eos_token_id"]
         self._vocab_size = int(record["vocab_size"])
+        self.splits_words = splits_words(self.backend)
+        """Whether every whitespace-separated word of a text is at least one token of its
+        own (``token_floor.splits_words``), so that ``token_floor`` counts words."""
 
     def _load_hf(self) -> Any:
         if self._hf is None:
@@ -167,11 +171,22 @@ class Tokenizer:
         """Token string -> id, added tokens included (as transformers' ``get_vocab``)."""
         return dict(self.backend.get_vocab(with_added_tokens=True))
 
-    def encode(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt``, with the special tokens (e.g. BOS) the tokenizer adds."""
-        if not self._plain:
-            return list(self.hf.encode(prompt, add_special_tokens=True))
-        return self.backend.encode(prompt, add_special_tokens=True).ids
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt``, with the special tokens (e.g. BOS) the tokenizer adds
+        unless ``add_special_tokens`` is False.
+
+        NOTE: through the batch encoder, which releases the GIL while it works (``encode``
+        holds it: 0.5 s per 600 KB stalled every other thread, the event loop's too)."""
+        if not self._plain:  # NOTE: transformers encodes through the batch encoder too
+            return list(self.hf.encode(prompt, add_special_tokens=add_special_tokens))
+        return self.backend.encode_batch_fast([prompt], add_special_tokens=add_special_tokens
+                                              )[0].ids
+
+    def token_floor(self, text: str, cap: int) -> int:
+        """A lower bound on the tokens ``text`` encodes to, counted up to ``cap``: its words
+        when ``splits_words``, else 0. Reads only as many words as ``cap``, so a text too
+        long for the model is refused without encoding it (``intake.check_prompt_words``)."""
+        return count_words(text, cap) if self.splits_words else 0
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (as transformers' ``decode``)."""
@@ -205,10 +220,8 @@ class Tokenizer:
 
         The template writes its own special tokens (BOS included), so none are added here.
         """
-        text = self.render_chat(messages, add_generation_prompt)
-        if not self._plain:
-            return list(self.hf.encode(text, add_special_tokens=False))
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.encode(self.render_chat(messages, add_generation_prompt),
+                           add_special_tokens=False)
 
     def detokenizer(self, prompt_ids: Sequence[int], params: Any = None) -> Detokenizer:
         """A fresh incremental detokenizer for one request with ``params.stop`` strings."""

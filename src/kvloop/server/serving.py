@@ -23,6 +23,7 @@ from kvloop.engine.intake import (
     EncodedPrompt,
     ValidatedRequest,
     check_prompt_chars,
+    check_prompt_words,
     check_tenant,
     default_max_tokens,
     encode_prompt,
@@ -146,9 +147,15 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             raise bad_request(exc.message, "messages") from None
         try:
-            ids = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            text = self.tokenizer.render_chat(messages, req.add_generation_prompt)
         except Exception as exc:  # no template, or the template rejected the conversation
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+        try:
+            check_prompt_words(text, self.limits, self.tokenizer, "messages")
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, "messages") from None
+        # NOTE: the template writes its own special tokens (BOS included)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         mt, mt_name = req.max_tokens, "max_tokens"
         if req.max_tokens is not None and req.max_tokens < 1:  # NOTE: checked even if both
             raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}",
