@@ -57,11 +57,11 @@ class HookedTokenizer:
 def hooked(live: LiveServer, **kwargs: Any) -> Iterator[HookedTokenizer]:
     serving = live.serving
     original = serving.tokenizer
-    serving.tokenizer = hook = HookedTokenizer(original, **kwargs)
+    serving.tokenizer = serving.encoder.tokenizer = hook = HookedTokenizer(original, **kwargs)
     try:
         yield hook
     finally:
-        serving.tokenizer = original
+        serving.tokenizer = serving.encoder.tokenizer = original
 
 
 STREAM = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 80, "ignore_eos": True,
@@ -236,3 +236,36 @@ def test_prompt_char_bound_is_exact_at_its_edge() -> None:
     with pytest.raises(InvalidRequestError, match="at least 64 tokens") as info:
         check_prompt_chars(631, limits, 10, "messages")
     assert info.value.field == "messages"
+
+
+def test_long_texts_are_encoded_at_the_lowest_priority() -> None:
+    """A text over ``LONG_TEXT_CHARS`` is encoded on a nice-19 thread (Linux), a short one
+    on the caller's; both give the tokenizer's ids, and the caller keeps its priority."""
+    import os
+    import sys
+
+    from kvloop.server.prompt_workers import LONG_TEXT_CHARS, BackgroundEncoder
+
+    class Recording:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            tid = threading.get_native_id()
+            self.seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+            return [len(text), int(add_special_tokens)]
+
+    tok = Recording()
+    encoder = BackgroundEncoder(tok)
+    try:
+        assert encoder.encode("short") == [5, 1]
+        assert encoder.encode("x" * (LONG_TEXT_CHARS + 1), False) == [LONG_TEXT_CHARS + 1, 0]
+    finally:
+        encoder.shutdown()
+    (short_tid, short_nice), (long_tid, long_nice) = tok.seen
+    me = threading.get_native_id()
+    assert short_tid == me and long_tid != me
+    assert short_nice == os.getpriority(os.PRIO_PROCESS, me)
+    if sys.platform == "linux":
+        assert long_nice == 19
+    assert encoder.token_floor is None  # NOTE: the tokenizer has none

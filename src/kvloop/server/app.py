@@ -135,6 +135,8 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
             if logger_task is not None:
                 logger_task.cancel()
             workers.shutdown()
+            if serving.encoder is not None:
+                serving.encoder.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="kvloop", version=kvloop.__version__, lifespan=lifespan,

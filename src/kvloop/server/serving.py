@@ -41,6 +41,7 @@ from kvloop.server.async_engine import (
     RequestStream,
 )
 from kvloop.server.errors import APIError, bad_request, error_body
+from kvloop.server.prompt_workers import BackgroundEncoder
 from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest, parse
 
 MAX_LOGPROBS = 20
@@ -71,6 +72,8 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        self.encoder = BackgroundEncoder(self.tokenizer) if self.tokenizer else None
+        """Encodes prompts: long ones at the lowest CPU priority (``prompt_workers.py``)."""
         self.limits = engine.limits
         """What a request must fit (the engine's, immutable)."""
         self.max_model_len = self.limits.max_model_len
@@ -151,11 +154,12 @@ class OpenAIServing:
         except Exception as exc:  # no template, or the template rejected the conversation
             raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
         try:
-            check_prompt_words(text, self.limits, self.tokenizer, "messages")
+            check_prompt_words(text, self.limits, self.encoder, "messages")
         except InvalidRequestError as exc:
             raise bad_request(exc.message, "messages") from None
+        assert self.encoder is not None  # NOTE: there is a tokenizer
         # NOTE: the template writes its own special tokens (BOS included)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encoder.encode(text, add_special_tokens=False)
         mt, mt_name = req.max_tokens, "max_tokens"
         if req.max_tokens is not None and req.max_tokens < 1:  # NOTE: checked even if both
             raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}",
@@ -179,7 +183,7 @@ class OpenAIServing:
         # NOTE: intake names its own fields; these are the OpenAI body's names for them.
         names = {"prompt": "messages" if chat else "prompt", "max_tokens": mt_name}
         try:
-            enc = encode_prompt(prompt, self.limits, self.tokenizer,
+            enc = encode_prompt(prompt, self.limits, self.encoder,
                                 token_chars=self.token_chars)
             params = self._params(req, enc, max_tokens, mt_name, num_top)
             # NOTE: the OpenAI ``user`` names the tenant; kvloop's ``tenant`` overrides it.
