@@ -1,4 +1,4 @@
-"""Replicas behind a router (issue 14's proof): simulated clusters, and real ones here.
+"""Replicas behind a router: simulated clusters, and real ones here.
 
 ``--part sim``: ``kvloop simulate --replicas N --router NAME`` on the shipped Mooncake and
 Azure conversation traces, N = 4, 8 and 16 replicas of Llama-3.1-8B on one H100 each (the

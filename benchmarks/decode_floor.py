@@ -12,7 +12,7 @@ requests (``--prompt-len`` tokens, 128 by default, outputs forced to 64 tokens) 
 timing every step in which all of them decode. Printed per batch: the floor, the GEMM
 time (every layer matrix and the LM head at that batch, best of 5: what the stock kernels
 cost, the floor those kernels allow), the median decode step, step/floor, and tokens per
-second. Issue 15's target is a step/floor ratio <= 1.25. ``--profile`` adds where each
+second. The target is a step/floor ratio <= 1.25. ``--profile`` adds where each
 step's time goes (torch profiler self times: weight GEMMs, attention with the KV gather and
 write, other ops, and host time outside any op).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real engine's checks that need a CUDA GPU (issue 15), as one script: under 10 minutes
+# The real engine's checks that need a CUDA GPU, as one script: under 10 minutes
 # on one GPU, each part with its own time limit (T_TESTS, T_FLOOR, T_OFFLINE, T_SERVE s):
 #   1. the torch executor and server tests, on CPU and CUDA (tests/torch parametrises over
 #      every device present);

@@ -4,10 +4,12 @@ Starts ``kvloop serve --model MODEL`` as a subprocess and runs three probes, eac
 its figures next to their targets:
 
 * ``prompts``: ``/health`` latency (polled every 50 ms: p50, p99, max) and the inter-token
-  gaps of a 600-token stream (median and max), first alone, then while ``--clients`` clients
-  send 600 KB prompts back to back: ``words`` (``"w1 " * 200000``, refused by its words
-  before it is encoded) and ``letters`` (600,000 random letters without a space: under the
-  character bound, so it is encoded in full, then refused). Targets: ``/health`` p99
+  gaps of a 600-token stream (``--stream-tokens``; median and max), first alone, then while
+  ``--clients`` clients send 600 KB prompts back to back (``--pause`` seconds between an
+  answer and the next request; the clients run in a process of their own at the lowest CPU
+  priority, standing for other machines): ``words`` (``"w1 " * 200000``, refused by its
+  words before it is encoded) and ``letters`` (600,000 random letters without a space: under
+  the character bound, so it is encoded in full, then refused). Targets: ``/health`` p99
   <= 100 ms, stream max gap <= 3x its max alone.
 * ``connections``: ``--slow`` connections that send their headers one byte a second and as
   many that send a declared body one byte a second: seconds until the server closes each
@@ -18,6 +20,7 @@ its figures next to their targets:
 
     python benchmarks/hostile_clients.py [--model default] [--probes prompts connections
         signals] [--clients 16] [--slow 20] [--signals 20] [--json PATH]
+        [-- more kvloop serve flags]
 
 Not a CI test: it runs for minutes. Name the CPU (printed first) next to any figure.
 """
@@ -45,8 +48,11 @@ from typing import Any
 
 import httpx
 
-STREAM_TOKENS = 600
 HEALTH_EVERY_S = 0.05
+SERVE_FLAGS: list[str] = []
+"""More ``kvloop serve`` flags (the command line's, after ``--``)."""
+NEVER_S = 60.0
+"""A slow connection still open after this long is reported as never closed (inf)."""
 
 
 def cpu_name() -> str:
@@ -64,11 +70,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(model: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def serve(model: str) -> Iterator[tuple[str, subprocess.Popen]]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvloop.cli", "serve", "--model", model, "--port", str(port),
-         "--log-interval", "0", "--disable-uvicorn-access-log", *extra],
+         "--log-interval", "0", "--disable-uvicorn-access-log", *SERVE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -102,8 +108,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 # -- prompts ---------------------------------------------------------------------------------
-async def _stream_gaps(http: httpx.AsyncClient) -> list[float]:
-    body = {"prompt": "Tell me a long story.", "max_tokens": STREAM_TOKENS,
+async def _stream_gaps(http: httpx.AsyncClient, tokens: int) -> list[float]:
+    body = {"prompt": "Tell me a long story.", "max_tokens": tokens,
             "ignore_eos": True, "stream": True, "temperature": 0}
     times = []
     async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -163,7 +169,8 @@ def _attackers(url: str, text: str, clients: int, pause: float, stop_file: Path
     return proc
 
 
-async def _phase(url: str, text: str | None, clients: int, pause: float) -> dict[str, Any]:
+async def _phase(url: str, text: str | None, clients: int, pause: float, tokens: int
+                 ) -> dict[str, Any]:
     stop_file = Path(tempfile.mkdtemp()) / "stop"
     attack = _attackers(url, text, clients, pause, stop_file) if text is not None else None
     try:
@@ -171,7 +178,7 @@ async def _phase(url: str, text: str | None, clients: int, pause: float) -> dict
             await asyncio.sleep(2.0 if attack else 0)
             stop = asyncio.Event()
             health = asyncio.create_task(_poll_health(http, stop))
-            gaps = await _stream_gaps(http)
+            gaps = await _stream_gaps(http, tokens)
             stop.set()
             latencies = await health
     finally:
@@ -190,18 +197,18 @@ async def _phase(url: str, text: str | None, clients: int, pause: float) -> dict
             "attack_statuses": statuses}
 
 
-def probe_prompts(model: str, clients: int, pause: float) -> dict[str, Any]:
+def probe_prompts(model: str, clients: int, pause: float, tokens: int) -> dict[str, Any]:
     rng = random.Random(0)
     texts = {"alone": None, "words": "w1 " * 200_000,
              "letters": "".join(rng.choice(string.ascii_letters) for _ in range(600_000))}
     out: dict[str, Any] = {}
     with serve(model) as (url, _):
-        asyncio.run(_phase(url, None, 0, pause))  # warm-up
+        asyncio.run(_phase(url, None, 0, pause, tokens))  # warm-up
         for name, text in texts.items():
-            out[name] = asyncio.run(_phase(url, text, clients, pause))
+            out[name] = asyncio.run(_phase(url, text, clients, pause, tokens))
     alone = out["alone"]["itl_max_ms"]
     print(f"\nprompts: {clients} clients sending 600 KB prompts (each waits {pause:g} s after "
-          f"an answer) during one {STREAM_TOKENS}-token stream")
+          f"an answer) during one {tokens}-token stream")
     print(f"{'phase':8} {'health p50':>10} {'p99':>8} {'max':>8} {'ITL med':>8} {'ITL max':>8} "
           f"{'max/alone':>9}  attack answers")
     for name, r in out.items():
@@ -231,7 +238,7 @@ async def _slow(url: str, body: bool) -> float:
 
     closed = asyncio.create_task(until_eof())
     for i in range(len(payload)):
-        if closed.done():
+        if closed.done() or time.monotonic() - start > NEVER_S:
             break
         try:
             writer.write(payload[i:i + 1])
@@ -239,9 +246,9 @@ async def _slow(url: str, body: bool) -> float:
         except OSError:
             break
         await asyncio.wait({closed}, timeout=1.0)
-    await asyncio.wait_for(closed, 120)
+    done, _ = await asyncio.wait({closed}, timeout=NEVER_S - (time.monotonic() - start))
     writer.close()
-    return time.monotonic() - start
+    return time.monotonic() - start if done else float("inf")
 
 
 def _giant_header(url: str) -> tuple[int | None, float]:
@@ -313,16 +320,21 @@ def main() -> int:
     p.add_argument("--probes", nargs="+", default=["prompts", "connections", "signals"],
                    choices=["prompts", "connections", "signals"])
     p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--stream-tokens", type=int, default=600,
+                   help="tokens of the stream whose gaps are measured")
     p.add_argument("--pause", type=float, default=0.0,
                    help="seconds each prompt client waits after an answer (0: back to back)")
     p.add_argument("--slow", type=int, default=20)
     p.add_argument("--signals", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("serve_flags", nargs="*", help="after --: more kvloop serve flags")
     args = p.parse_args()
+    SERVE_FLAGS.extend(args.serve_flags)
     print(f"CPU: {cpu_name()}; {time.strftime('%Y-%m-%d %H:%M')}; model {args.model}")
     results: dict[str, Any] = {"cpu": cpu_name(), "model": args.model}
     if "prompts" in args.probes:
-        results["prompts"] = probe_prompts(args.model, args.clients, args.pause)
+        results["prompts"] = probe_prompts(args.model, args.clients, args.pause,
+                                           args.stream_tokens)
     if "connections" in args.probes:
         results["connections"] = probe_connections(args.model, args.slow)
     if "signals" in args.probes:

@@ -866,7 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if targets:
         scope = "" if args.dtype == "float32" else f" (set for float32; this run is {args.dtype})"
-        print(f"\ntargets (issue 3){scope}:")
+        print(f"\ntargets{scope}:")
         for t in targets:
             print(f"  {t['target']:<52} {t['shown']:>12}  {'MET' if t['met'] else 'NOT MET'}")
 

@@ -1,4 +1,4 @@
-"""Scheduling policies side by side in the simulator (issue 13's proof).
+"""Scheduling policies side by side in the simulator.
 
 Llama-3.1-8B on one H100 (the simulator's fitted cost model, vLLM's engine overhead), KV
 pool from 90% of the memory, 4 GiB swap, an 8192-token step budget and 256 sequences. For
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {trace} (saturation {sat[trace]['rate']:.2f} req/s)\n")
         print(run_table(rows, trace))
     target_lines, _ = targets(rows)
-    print("\nTargets (issue 13):")
+    print("\nTargets:")
     print("\n".join(target_lines))
     print(f"\n{len(rows)} runs in {wall:.0f} s")
     if args.json:

@@ -1,4 +1,4 @@
-"""CLI polish (issue 12 item 8): no flag abbreviations, ``--version``, the subcommand's usage
+"""CLI polish: no flag abbreviations, ``--version``, the subcommand's usage
 on an unknown flag, sizes with units, the port checked before the model loads, and
 ``--max-tokens`` checked against the model's length before it loads."""
 

@@ -1,4 +1,4 @@
-"""Issue 12 follow-up, a new user's first ten minutes: the README's commands run as written
+"""A new user's first ten minutes: the README's commands run as written
 (the GPU JSON it names ships, no two examples write the same file), a converted model has a
 readable name, and ``kvloop generate`` says where each sampling setting came from."""
 

@@ -1,4 +1,4 @@
-"""The routers of ``kvloop.cluster.routers`` (issue 14): pure functions of what they are
+"""The routers of ``kvloop.cluster.routers``: pure functions of what they are
 told, shared by the Ray deployment and the cluster simulator."""
 
 from __future__ import annotations

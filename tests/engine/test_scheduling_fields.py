@@ -1,4 +1,4 @@
-"""Issue 13 at the engine's edge: tenant and SLO targets are validated once and reach the
+"""Scheduling fields at the engine's edge: tenant and SLO targets are validated once and reach the
 ``Request``; a request the scheduling policy rejects comes back once, with finish reason
 ``rejected`` and its error, and leaves nothing behind. Simulated executor: no model."""
 

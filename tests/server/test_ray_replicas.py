@@ -1,4 +1,4 @@
-"""``kvloop serve --replicas 2`` on a local Ray (issue 14): the official ``openai`` client
+"""``kvloop serve --replicas 2`` on a local Ray: the official ``openai`` client
 against two replicas of the tiny model, routing by prefix under ``kv-aware``, ``/metrics``
 labelled by replica, and a clean shutdown that leaves no Ray process behind.
 

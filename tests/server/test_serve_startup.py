@@ -1,4 +1,4 @@
-"""``kvloop serve``'s one startup line (issue 12 items 4 and 8): model, device, dtype, KV
+"""``kvloop serve``'s one startup line: model, device, dtype, KV
 blocks and their memory, the token budget and why, the URL; printed before serving."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13 in the API: ``user``/``tenant`` name the tenant, ``slo_ttft``/``slo_tpot`` are a
+"""In the API: ``user``/``tenant`` name the tenant, ``slo_ttft``/``slo_tpot`` are a
 request's SLO targets, and a request the scheduling policy rejects is a 429 (an SSE error
 event when streamed) that leaves nothing behind."""
 

@@ -1,4 +1,4 @@
-"""Why a request waited (issue 13): ``trace summary`` has per-tenant rows that match the
+"""Why a request waited: ``trace summary`` has per-tenant rows that match the
 simulator's, and ``trace plot`` labels rows with tenant and priority and marks requests that
 missed their TTFT target at their deadline."""
 

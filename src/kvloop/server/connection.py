@@ -146,7 +146,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         deadline = self._body_start + limits.body_timeout_s + self._body_bytes / BODY_MIN_RATE
         now = self.loop.time()
         if now < deadline or (self.flow is not None and self.flow.read_paused):
-            self._arm(max(deadline - now, 1.0), self._body_timeout)
+            self._arm(max(deadline - now, 0.05), self._body_timeout)
             return
         if self.cycle is not None:
             self.cycle.scope[BODY_TIMEOUT_KEY] = True  # type: ignore[typeddict-unknown-key]

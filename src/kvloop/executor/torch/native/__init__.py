@@ -1,7 +1,7 @@
 """kvloop's own CPU kernels (C++, AVX-512 with VNNI, or AVX2), built on first use.
 
 torch's CPU build has no kernel for what a small-batch decode step spends its time on
-beyond the stock GEMMs (``docs/native-kernels.md``, issue 15), so kvloop ships its own:
+beyond the stock GEMMs (``docs/native-kernels.md``), so kvloop ships its own:
 
 - ``q4_linear``: 4-bit weights (groups of 32, a float16 scale and offset each: llama.cpp's
   Q4_1) times activations quantised per group of 32 to int8 (llama.cpp's Q8_1), with
