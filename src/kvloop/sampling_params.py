@@ -13,9 +13,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 GREEDY_TEMPERATURE = 1e-5
 """A temperature below this samples greedily, as vLLM's (its ``_SAMPLING_EPS``): dividing
 float32 logits by a tinier one overflows them to infinities, whose softmax is NaN."""
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 2.0
-"""``repetition_penalty``'s range: vLLM's (0, 2], less the tiny penalties that divide float32
-logits into infinities (and so NaN probabilities)."""
+MIN_REPETITION_PENALTY = 1e-6
+"""The smallest ``repetition_penalty``: vLLM takes any positive one, but tinier penalties
+divide float32 logits into infinities (and so NaN probabilities)."""
 MAX_STOP_STRINGS = 64
 """Most ``stop`` strings per request (every output token is checked against each)."""
 MAX_STOP_TOKEN_IDS = 1024
@@ -46,8 +46,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Penalty proportional to a token's count in the output, in [-2, 2]."""
     repetition_penalty: float = 1.0
-    """Multiplicative penalty in [1e-6, 2] on tokens seen in prompt or output; 1 disables
-    it."""
+    """Multiplicative penalty (at least 1e-6) on tokens seen in prompt or output; 1
+    disables it."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (at most ``MAX_STOP_STRINGS``); the matched string is not returned."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -90,10 +90,8 @@ class SamplingParams:
                self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                "must be in [-2, 2]", self.frequency_penalty)
-        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
-               "repetition_penalty",
-               f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
-               self.repetition_penalty)
+        _check(self.repetition_penalty >= MIN_REPETITION_PENALTY, "repetition_penalty",
+               f"must be >= {MIN_REPETITION_PENALTY:g}", self.repetition_penalty)
         _check(self.seed is None or is_int64(self.seed), "seed",
                "must be None or an integer in [-2^63, 2^63 - 1]", self.seed)
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),

@@ -17,7 +17,11 @@ tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers  # noqa: E402
 
 from kvloop.engine.intake import EngineLimits, InvalidRequestError, encode_prompt  # noqa: E402
-from kvloop.engine.token_floor import count_words, splits_words  # noqa: E402
+from kvloop.engine.token_floor import (  # noqa: E402
+    count_words,
+    dropped_characters,
+    splits_words,
+)
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -46,7 +50,17 @@ def _cases() -> dict[str, tuple[tokenizers.Tokenizer, bool]]:
                                        byte_level])
     joined = _trained(byte_level)
     joined.add_tokens([AddedToken("new york")])
+    missing_bytes = tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+    missing_bytes.pre_tokenizer = byte_level
     return {
+        "a byte-level vocabulary without every byte": (missing_bytes, False),
+        "a normalizer that strips accents": (_trained(
+            pre_tokenizers.Whitespace(), normalizers.StripAccents(), unk_token="<unk>"), False),
+        "bert's normalizer (drops control characters)": (_trained(
+            pre_tokenizers.Whitespace(), normalizers.BertNormalizer(), unk_token="<unk>"),
+            False),
+        "nfkc and lowercase": (_trained(byte_level, normalizers.Sequence(
+            [normalizers.NFKC(), normalizers.Lowercase()])), True),
         "gpt2 byte-level": (_trained(byte_level), True),
         "llama3 split + byte-level": (_trained(llama3), True),
         "smollm2 digits + byte-level": (_trained(smollm2), True),
@@ -78,14 +92,32 @@ def test_words_never_exceed_tokens(name: str) -> None:
     """On random texts of words, spaces, digits, punctuation, CJK and control characters, the
     word count is at most the token count, for every tokenizer ``splits_words`` admits."""
     tok, _ = CASES[name]
+    dropped = dropped_characters(tok)
+    assert dropped is not None
     rng = random.Random(7)
     pieces = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "  ", "\t", "\n",
               "\r\n", "\u00a0", "\u3000", "\u2003", "\x1c", "\x1f", "\u4e2d", "\u00e9", "'s",
-              "the", "hello", "\x00"]
+              "the", "hello", "\x00", "\u0301", "\x0b", "\x85", "\ufb01", "\u00c5"]
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 60)))
         n = len(tok.encode(text, add_special_tokens=False).ids)
-        assert count_words(text, 10**6) <= n, (text, n)
+        assert count_words(text, 10**6, dropped) <= n, (text, n)
+
+
+def test_bytes_a_byte_level_vocabulary_lacks_are_not_words() -> None:
+    """A byte-level vocabulary without some control bytes (SmolLM2's lacks six) drops them:
+    a word of only those is no token, and is not counted."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    kept = [c for c in alphabet if c not in ("Ą", "Ć")]  # the characters of bytes 4 and 6
+    lacking = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(kept)},
+                                              merges=[]))
+    lacking.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert dropped_characters(lacking) == "\x04\x06"
+    text = "\x04 \x06\x04"
+    assert len(lacking.encode(text, add_special_tokens=False).ids) == 1  # the space only
+    assert count_words(text, 100, "\x04\x06") == 0
+    assert count_words(text, 100) == 2  # NOTE: counting them, the floor would be too high
+    assert count_words("\x04 \x06\x04 a\x04 b", 100, "\x04\x06") == 2
 
 
 def test_count_words_reads_only_what_it_needs() -> None:

@@ -149,3 +149,32 @@ def test_head_is_answered_wherever_get_is(server: LiveServer) -> None:
         assert head.headers["content-type"] == get.headers["content-type"], path
     post_only = httpx.head(f"{server.base_url}/completions")
     assert post_only.status_code == 405 and "POST" in post_only.headers["allow"]
+
+
+def test_pipelined_requests_are_never_cut(limited: LiveServer) -> None:
+    """Two requests in one write, the first with a body larger than the header limit, both
+    answered; a request pipelined behind a slow one is not timed while it waits, and nothing
+    is written into the first response."""
+    sock = _connect(limited)
+    body = json.dumps({"prompt": "hello", "max_tokens": 2, "stop": ["x" * 6000]}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+                 b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                 + b"GET /health HTTP/1.1\r\nHost: x\r\nconnection: close\r\n\r\n")
+    raw = _read_all(sock)
+    assert raw.count(b"HTTP/1.1 200") == 2, raw[:300]
+    # the slow request's stream outlasts both timeouts; the pipelined POST's last bytes come
+    # only after it, so its body "waits" longer than --body-timeout behind it
+    sock = _connect(limited)
+    with patched_execute(limited.engine, slow_steps(0.1)):
+        slow = json.dumps({"prompt": "hello", "max_tokens": 12, "ignore_eos": True}).encode()
+        second = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: " + str(len(slow)).encode()
+                     + b"\r\n\r\n" + slow + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"content-type: application/json\r\nconnection: close\r\ncontent-length: "
+                     + str(len(second)).encode() + b"\r\n\r\n" + second[:-5])
+        time.sleep(LIMITS.body_timeout_s + LIMITS.header_timeout_s + 0.5)
+        sock.sendall(second[-5:])
+        raw = _read_all(sock)
+    assert raw.count(b"HTTP/1.1 200") == 2 and b"408" not in raw, raw[:500]
+    assert_no_leaks(limited)

@@ -121,8 +121,10 @@ def test_documented_ranges_are_enforced(server: LiveServer, doc: dict[str, Any])
         for field, key, bound in _bounds(doc, model):
             prop = doc["components"]["schemas"][model]["properties"][field]
             is_int = any(t.get("type") == "integer" for t in prop.get("anyOf", [prop]))
-            step = 1 if is_int else 1e-3
+            step = 1 if is_int else max(1e-3, abs(bound) / 2)
             outside = bound - step if key != "maximum" else bound + step
+            if not is_int and key == "minimum" and bound > 0:
+                outside = bound / 2  # NOTE: still positive, so only the bound refuses it
             body = {"max_tokens": 1, **base, field: outside}
             r = httpx.post(f"{server.base_url}{path}", json=body, timeout=30)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)

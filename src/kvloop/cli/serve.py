@@ -74,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> ConnectionLimits:
+    """Check the server flags (``ValueError`` naming one); the connection limits."""
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
     if args.shutdown_timeout < 0:
@@ -85,7 +86,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--log-interval must be >= 0")
     if args.max_request_bytes < 0:
         raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
-    connection_limits(args)
+    limits = connection_limits(args)
+    if args.replicas is not None and limits != LIMITS:
+        raise ValueError("--max-header-bytes, --header-timeout and --body-timeout limit kvloop "
+                         "serve's own HTTP server; with --replicas requests go through Ray "
+                         "Serve's proxy, which has its own")
+    return limits
 
 
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
@@ -188,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.server.draining import DrainingServer
     from kvloop.server.metrics import ServerMetrics
 
-    _check(args)
+    limits = _check(args)
     check_cluster_args(args)
     port = check_address(args.host, args.port)
     if args.replicas is not None:
@@ -226,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             uvicorn.Config(app, host=args.host, port=port, log_level="info",
                            access_log=not args.disable_uvicorn_access_log,
                            timeout_graceful_shutdown=RESPONSE_FLUSH_S,
-                           http=protocol_class(connection_limits(args))),
+                           http=protocol_class(limits)),
             async_engine, args.shutdown_timeout,
         )
         url = f"http://{_url_host(args.host)}:{port}"

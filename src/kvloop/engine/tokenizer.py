@@ -29,7 +29,7 @@ from typing import Any
 
 from kvloop.engine.chat_template import render_chat_template
 from kvloop.engine.detokenizer import Detokenizer
-from kvloop.engine.token_floor import count_words, splits_words
+from kvloop.engine.token_floor import count_words, dropped_characters
 
 RECORD_VERSION = 1
 """Part of the cache key: bump it when the record's meaning changes."""
@@ -111,9 +111,9 @@ class Tokenizer:
         self._bos: int | None = record["bos_token_id"]
         self._eos: int | None = record["eos_token_id"]
         self._vocab_size = int(record["vocab_size"])
-        self.splits_words = splits_words(self.backend)
-        """Whether every whitespace-separated word of a text is at least one token of its
-        own (``token_floor.splits_words``), so that ``token_floor`` counts words."""
+        self._dropped = dropped_characters(self.backend)
+        """Characters the tokenizer encodes to nothing, when its words (of other characters)
+        are a floor on its tokens (``token_floor.dropped_characters``); None: they are not."""
 
     def _load_hf(self) -> Any:
         if self._hf is None:
@@ -184,9 +184,10 @@ class Tokenizer:
 
     def token_floor(self, text: str, cap: int) -> int:
         """A lower bound on the tokens ``text`` encodes to, counted up to ``cap``: its words
-        when ``splits_words``, else 0. Reads only as many words as ``cap``, so a text too
-        long for the model is refused without encoding it (``intake.check_prompt_words``)."""
-        return count_words(text, cap) if self.splits_words else 0
+        where they are a floor (``token_floor``), else 0. Reads only as many words as
+        ``cap``, so a text too long for the model is refused without encoding it
+        (``intake.check_prompt_words``)."""
+        return count_words(text, cap, self._dropped) if self._dropped is not None else 0
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (as transformers' ``decode``)."""

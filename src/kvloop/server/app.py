@@ -120,7 +120,7 @@ def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig
     ``render_metrics`` replaces ``metrics.render`` for ``/metrics`` (the Ray ingress merges
     its replicas' registries); ``engine`` may be any object with ``AsyncEngine``'s request
     surface (``kvloop.cluster.ray_serve.ClusterEngine``)."""
-    serving = OpenAIServing(engine, config.served_model_name)
+    serving = OpenAIServing(engine, config.served_model_name, config.prompt_workers)
     workers = PromptWorkers(config.prompt_workers, config.max_prompt_backlog)
 
     @contextlib.asynccontextmanager

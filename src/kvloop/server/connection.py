@@ -14,8 +14,10 @@ sent it, were held open without end. Here, per connection:
   trickle is), else 408 and close. The app's pending ``request.body()`` then sees a
   disconnect (``errors.py`` logs one line; scope key ``BODY_TIMEOUT_KEY`` says why).
 
-A refusal is one INFO line, never a traceback. Time spent with reading paused by uvicorn
-itself (pipelined requests, a full buffer) is never held against the client.
+A refusal is one INFO line, never a traceback, and never written into another request's
+response: a pipelined request's body is timed from the moment it is served, its headers'
+timer waits while the request before it is in flight, and time with reading paused by
+uvicorn itself (a full buffer) is never held against the client.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._completed_headers = False
+        """A request's headers ended in the read being parsed."""
 
     # -- the connection ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -67,14 +71,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         was_in_headers = self._in_headers
+        self._completed_headers = False
         super().data_received(data)
-        # NOTE: when the headers are still incomplete, all of ``data`` was header bytes; a
-        # chunk that completed them is measured exactly in ``on_headers_complete``.
-        if was_in_headers and self._in_headers and not self._refused:
+        # NOTE: only a read in which no request's headers ended is all header bytes; headers
+        # that end in a read are measured exactly in ``on_headers_complete``.
+        if was_in_headers and not self._completed_headers and not self._refused:
             self._header_bytes += len(data)
             if self._header_bytes > self.limits.max_header_bytes:
-                self._refuse(431, f"the request headers are larger than this server's limit "
-                             f"of {self.limits.max_header_bytes} bytes (--max-header-bytes)")
+                self._refuse(431, self._too_large())
 
     # -- parser callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -99,17 +103,22 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             return
         size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
         if size > self.limits.max_header_bytes:
-            self._refuse(431, f"the request headers are larger than this server's limit of "
-                         f"{self.limits.max_header_bytes} bytes (--max-header-bytes)")
+            self._refuse(431, self._too_large())
             return
         self._in_headers = False
+        self._completed_headers = True
         self._disarm()
-        self._body_start = self.loop.time()
         self._body_bytes = 0
-        # NOTE: armed for every request and disarmed by ``on_message_complete``, which
-        # follows at once when there is no body.
-        self._arm(self.limits.body_timeout_s, self._body_timeout)
+        # NOTE: the body timer starts with the request's ASGI task (``_start_asgi_task``): a
+        # pipelined request waits behind the one in flight and is not timed meanwhile.
         super().on_headers_complete()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        super()._start_asgi_task(cycle, app)
+        if cycle.more_body and cycle is self.cycle:
+            # NOTE: disarmed by ``on_message_complete``
+            self._body_start = self.loop.time()
+            self._arm(self.limits.body_timeout_s, self._body_timeout)
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -134,7 +143,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _header_timeout(self) -> None:
         self._timer = None
-        if self.flow is not None and self.flow.read_paused:  # NOTE: our pause, not theirs
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if busy or (self.flow is not None and self.flow.read_paused):
+            # NOTE: a pipelined request behind one in flight (never a refusal written into
+            # another response), or our own pause: not the client's delay.
             self._arm(self.limits.header_timeout_s, self._header_timeout)
             return
         self._refuse(408, f"the request headers did not arrive within "
@@ -145,7 +157,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         limits = self.limits
         deadline = self._body_start + limits.body_timeout_s + self._body_bytes / BODY_MIN_RATE
         now = self.loop.time()
-        if now < deadline or (self.flow is not None and self.flow.read_paused):
+        if self.flow is not None and self.flow.read_paused:
+            # NOTE: our pause (a full buffer), not the client's delay: its clock restarts
+            self._body_start = now
+            self._arm(limits.body_timeout_s, self._body_timeout)
+            return
+        if now < deadline:
             self._arm(max(deadline - now, 0.05), self._body_timeout)
             return
         if self.cycle is not None:
@@ -157,6 +174,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._refuse(408, f"the request body did not arrive in time ({self._body_bytes} bytes "
                      f"in {now - self._body_start:.0f} s; --body-timeout "
                      f"{limits.body_timeout_s:g} s plus 1 s per {BODY_MIN_RATE} bytes)")
+
+    def _too_large(self) -> str:
+        return (f"the request headers are larger than this server's limit of "
+                f"{self.limits.max_header_bytes} bytes (--max-header-bytes)")
 
     # -- refusing ------------------------------------------------------------------------
     def _refuse(self, status: int, message: str) -> None:

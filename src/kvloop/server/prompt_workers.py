@@ -10,8 +10,8 @@ Threads help because the work either releases the GIL (the Rust ``tokenizers`` b
 encoder does for the whole encode) or is pure Python that the interpreter interleaves with
 the loop every few milliseconds (jinja2 chat templates, pydantic).
 
-:class:`BackgroundEncoder` runs the encode of a long text (over ``LONG_TEXT_CHARS``) on a
-thread at the lowest CPU priority (Linux), while the worker that asked waits: encoding
+:class:`BackgroundEncoder` runs the encode of a very long text (over ``LONG_TEXT_CHARS``) on
+a thread at the lowest CPU priority (Linux), while the worker that asked waits: encoding
 600 KB takes a core for a fraction of a second, and on a machine whose cores the engine's
 step uses, two such encodes at normal priority made a stream's gaps 11x longer. Only the
 encode, which holds no GIL, runs there: a low-priority thread holding the GIL would keep the
@@ -36,8 +36,12 @@ DEFAULT_WORKERS = 2
 """Threads that encode prompts (the engine thread needs a core too)."""
 DEFAULT_MAX_BACKLOG = 64
 """Requests that may wait for a prompt worker before new ones get 429."""
-LONG_TEXT_CHARS = 16_384
-"""Texts longer than this are encoded at the lowest CPU priority (``BackgroundEncoder``)."""
+LONG_TEXT_CHARS = 131_072
+"""Texts longer than this (about 32k tokens of English) are encoded at the lowest CPU
+priority (``BackgroundEncoder``). NOTE: at nice 19 an encode gets a few percent of a core
+that normal-priority threads keep busy (a 20 KB encode took 19x as long beside two busy
+processes), so ordinary long prompts (RAG contexts of a few thousand tokens) stay at normal
+priority."""
 
 
 class PromptWorkers:

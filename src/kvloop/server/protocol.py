@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvloop.sampling_params import (
     INT64_MAX,
     INT64_MIN,
-    MAX_REPETITION_PENALTY,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
@@ -76,8 +75,7 @@ class _Sampling(_Strict):
     # vLLM's extras
     top_k: int | None = _doc(minimum=-1, description="0 or -1: all tokens.")
     min_p: float | None = _doc(minimum=0, maximum=1)
-    repetition_penalty: float | None = _doc(minimum=MIN_REPETITION_PENALTY,
-                                            maximum=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = _doc(minimum=MIN_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = _doc(maxItems=MAX_STOP_TOKEN_IDS,
                                             items={"minimum": 0, "maximum": INT64_MAX})

@@ -41,7 +41,7 @@ from kvloop.server.async_engine import (
     RequestStream,
 )
 from kvloop.server.errors import APIError, bad_request, error_body
-from kvloop.server.prompt_workers import BackgroundEncoder
+from kvloop.server.prompt_workers import DEFAULT_WORKERS, BackgroundEncoder
 from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest, parse
 
 MAX_LOGPROBS = 20
@@ -68,11 +68,12 @@ class Job:
 class OpenAIServing:
     """The completions and chat endpoints over one ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, workers: int = DEFAULT_WORKERS
+                 ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
-        self.encoder = BackgroundEncoder(self.tokenizer) if self.tokenizer else None
+        self.encoder = BackgroundEncoder(self.tokenizer, workers) if self.tokenizer else None
         """Encodes prompts: long ones at the lowest CPU priority (``prompt_workers.py``)."""
         self.limits = engine.limits
         """What a request must fit (the engine's, immutable)."""

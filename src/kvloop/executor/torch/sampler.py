@@ -198,9 +198,9 @@ class Sampler:
         """kvloop's CPU argmax kernel (``native``), None where its kernels are off; False
         until first needed (looking it up may build the kernels)."""
 
-    def _argmax_tokens(self, logits: torch.Tensor) -> list[int]:
-        """Each row's argmax over the vocabulary: one kernel call on CPU (``argmax_rows``),
-        as ``_argmax`` picks."""
+    def _argmax_tokens(self, logits: torch.Tensor) -> list[int | None]:
+        """Each row's argmax over the vocabulary (None for a row holding a NaN): one kernel
+        call on CPU (``argmax_rows``), as ``_argmax`` picks."""
         columns = min(self.vocab_size, logits.shape[-1])
         if (logits.device.type == "cpu" and columns > 0 and logits.dtype == torch.float32
                 and logits.stride(-1) == 1):
@@ -208,8 +208,11 @@ class Sampler:
             if kernel is False:  # NOTE: looked up on CPU only (it may build the kernels)
                 kernel = self._argmax_rows = getattr(native.kernels(), "argmax_rows", None)
             if kernel is not None:
-                return kernel(logits, columns)
-        return _argmax(logits[:, :columns].float()).tolist()
+                tokens = kernel(logits, columns)
+                picked = logits.numpy()[np.arange(len(tokens)), tokens]
+                return _unless_nan(tokens, np.isnan(picked).tolist())
+        x = logits[:, :columns].float()
+        return _drop_nan(_argmax(x), x)
 
     def sample(
         self, logits: torch.Tensor, states: list[SamplingState]
@@ -225,26 +228,26 @@ class Sampler:
         if not states:
             return [], []
         if all(_argmax_only(s) for s in states):
-            columns = min(self.vocab_size, logits.shape[-1])
-            return _unless_nan(self._argmax_tokens(logits), logits[:, :columns]), (
-                [None] * len(states))
+            return self._argmax_tokens(logits), [None] * len(states)
         raw = logits[:, : self.vocab_size].float()
         x = apply_min_tokens(apply_penalties(raw, states), states)
         rand_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         greedy = _argmax(x) if len(rand_rows) < len(states) else None
-        tokens = greedy
-        chosen = x  # NOTE: what each row's token was picked from, to find NaN rows in
         if rand_rows:
             sampled, probs = self._sample_random(x, [states[i] for i in rand_rows], rand_rows)
+            # NOTE: what each row's token was picked from, one value a row, to find NaN rows
+            chosen = _picked(probs, sampled)
             if greedy is None:
-                tokens, chosen = sampled, probs
+                tokens = sampled
             else:
                 rows = torch.tensor(rand_rows, device=x.device)
                 tokens = greedy.index_copy(0, rows, sampled)
-                chosen = x.index_copy(0, rows, probs)
-        assert tokens is not None
+                chosen = _picked(x, greedy).index_copy(0, rows, chosen)
+        else:
+            assert greedy is not None
+            tokens, chosen = greedy, _picked(x, greedy)
         logprobs = _logprobs(raw, tokens, states)
-        return _unless_nan(tokens.tolist(), chosen), logprobs
+        return _unless_nan(tokens.tolist(), chosen.isnan().tolist()), logprobs
 
     def _sample_random(
         self, x: torch.Tensor, states: list[SamplingState], rows: list[int]
@@ -272,19 +275,24 @@ class Sampler:
         return _draw(probs, [s.generator(dev) for s in states]), probs
 
 
-def _unless_nan(tokens: list[int], values: torch.Tensor) -> list[int | None]:
-    """``tokens`` (one per row of ``values``, each its row's argmax or draw) with None where
-    the chosen value is NaN. NOTE: an argmax, torch's or kvloop's, picks a row's first NaN,
-    and the exponential race's argmax too, so a row holds a NaN exactly when its chosen
-    value is one: one gather, not a pass over the rows."""
-    if values.device.type == "cpu" and values.dtype == torch.float32:
-        picked = values.numpy()[np.arange(len(tokens)), tokens]
-    else:
-        idx = torch.tensor(tokens, device=values.device).unsqueeze(1)
-        picked = values.gather(1, idx).squeeze(1).float().cpu().numpy()
-    if not np.isnan(picked).any():
-        return list(tokens)
-    return [None if bad else t for t, bad in zip(tokens, np.isnan(picked).tolist(), strict=True)]
+def _picked(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's value at its token ([N, V], [N] -> [N])."""
+    return values.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _drop_nan(tokens: torch.Tensor, values: torch.Tensor) -> list[int | None]:
+    """``tokens`` as a list, None where the chosen value is NaN (one transfer from CUDA)."""
+    bad = _picked(values, tokens).isnan()
+    return [None if t < 0 else t for t in torch.where(bad, -1, tokens).tolist()]
+
+
+def _unless_nan(tokens: list[int], bad: list[bool]) -> list[int | None]:
+    """``tokens`` with None where ``bad``. NOTE: a row holds a NaN exactly when the value its
+    token was picked at is one: an argmax (torch's, numpy's or kvloop's) picks a row's first
+    NaN, and so does the exponential race's."""
+    if not any(bad):
+        return tokens  # type: ignore[return-value]
+    return [None if b else t for t, b in zip(tokens, bad, strict=True)]
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
