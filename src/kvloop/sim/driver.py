@@ -86,8 +86,19 @@ class Replica:
         self.requests: list[Request] = []
         """Every request routed here, in arrival order."""
         self.pending: list[Request] = []
-        """Requests routed here while a step was in flight: they join its next step.
+        """Requests routed here while a step was in flight: they join its next step, or the
+        one after under an engine that schedules a step ahead (``lookahead``).
         NOTE: empty whenever ``busy`` is False."""
+        self.held: list[Request] = []
+        """Requests that came during the step before the one in flight, waiting out the step
+        an engine scheduling ahead had already decided when they came."""
+        overhead = getattr(cost_model, "overhead", None)
+        self.frontend_s = float(getattr(overhead, "frontend_s", 0.0))
+        """Seconds between a request's sending and the engine seeing it
+        (``EngineOverhead.frontend_s``)."""
+        self.lookahead = bool(getattr(overhead, "async_scheduling", False))
+        """The engine schedules step N+1 while step N runs (vLLM's async scheduling): a
+        request that comes during step N is first scheduled in step N+2."""
         self.busy = False
         """Whether a step is in flight (its end is on the event heap)."""
         self._in_flight: tuple[int, int, float] = (0, 0, 0.0)
@@ -109,7 +120,7 @@ class Replica:
         if not self.busy:
             return self._live_load()
         queued, running, usage = self._in_flight
-        return queued + len(self.pending), running, usage
+        return queued + len(self.pending) + len(self.held), running, usage
 
     def add(self, request: Request) -> None:
         """Route ``request`` here: into the scheduler now when idle, else at the step's end."""
@@ -134,6 +145,10 @@ def run_replicas(requests: Sequence[Request], replicas: Sequence[Replica],
     ends: list[tuple[float, int]] = []
     """Heap of (step end, replica index) of the steps in flight."""
     n, i = len(requests), 0
+    # NOTE: requests reach the engine the server's frontend time after they were sent (one
+    # figure for all replicas: they run one engine); their arrival time stays the sending
+    # time, which latencies are measured from.
+    delay = replicas[0].frontend_s if replicas else 0.0
     bar = tqdm(total=n, disable=not progress, unit="req", mininterval=0.5, leave=False)
 
     def start(k: int) -> None:
@@ -154,10 +169,10 @@ def run_replicas(requests: Sequence[Request], replicas: Sequence[Replica],
             heapq.heappush(ends, (rep.clock.now, k))
 
     while i < n or ends:
-        if i < n and (not ends or requests[i].arrival_time <= ends[0][0]):
-            now = requests[i].arrival_time
+        if i < n and (not ends or requests[i].arrival_time + delay <= ends[0][0]):
+            now = requests[i].arrival_time + delay
             woken: list[int] = []
-            while i < n and requests[i].arrival_time <= now:
+            while i < n and requests[i].arrival_time + delay <= now:
                 k = route(requests[i])
                 rep = replicas[k]
                 if not rep.busy:
@@ -172,10 +187,21 @@ def run_replicas(requests: Sequence[Request], replicas: Sequence[Replica],
             _, k = heapq.heappop(ends)
             rep = replicas[k]
             rep.busy = False
-            for req in rep.pending:
+            joining = rep.held if rep.lookahead else rep.pending
+            for req in joining:
                 rep.scheduler.add_request(req)
-            rep.pending.clear()
+            if rep.lookahead:
+                rep.held = rep.pending
+                rep.pending = []
+            else:
+                rep.pending.clear()
             start(k)
+            if rep.lookahead and not rep.busy and rep.held:
+                # NOTE: nothing ran, so no step was decided ahead: they join at once
+                for req in rep.held:
+                    rep.scheduler.add_request(req)
+                rep.held = []
+                start(k)
     bar.close()
     if any(rep.scheduler.requests for rep in replicas):
         raise RuntimeError("simulation stalled with work left and no arrivals")

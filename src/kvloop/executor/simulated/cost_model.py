@@ -5,7 +5,15 @@ the model once. With T tokens from S requests (D decodes over contexts k_i, and 
 chunks of c tokens after p cached ones), its predicted time in seconds, per rank (all ranks
 run in lockstep), is the sum of these terms:
 
-    gemm        L · Σ_g gemm(T, n_g, k_g)          g ∈ {qkv, o, gate_up, down}
+    gemm        L · Σ_g gemm(T', n_g, k_g)         g ∈ {qkv, o}, and gate_up, down in the
+                                                   L_d dense-MLP layers
+    experts     L_m · (gemm(T', E, H)              the router, replicated
+                  + Σ_g gemm*(T'·k, n_g, k_g; u)   one fused kernel per projection over the
+                                                   T'·k routed rows, reading the weights of
+                                                   the u = E·(1 − (1 − k/E)^T') experts they
+                                                   touch
+                  + Σ_g gemm(T', n_g, k_g)         shared experts, if any
+                  + op(4·T'·k·H·b))                dispatch to experts, weighted combine
     lm_head     gemm(S, V_r, H)                    logits of each request's last token
     norm        (2L + 1) · op(2·T·H·b)             RMSNorm read + write
     rope        L · op(2·T·(h_r + kv_r)·d·b)
@@ -20,13 +28,17 @@ run in lockstep), is the sum of these terms:
     overhead    step_s + seq_s·S + token_s·T       the serving engine (EngineOverhead)
 
 where ``gemm(m, n, k)`` is the :class:`GemmCurve` at F = 2·m·n·k FLOPs and
-W = (n·k + m·k + m·n)·b bytes, and ``op(bytes)`` a :class:`MemoryOp`. L layers, H hidden
-size, I_r the per-rank MLP width, V the vocabulary (V_r per rank), h_r / kv_r the per-rank
-query / KV heads, d the head dimension, b the weight dtype's bytes. A step with no tokens
-costs only its swaps and copies.
+W = (n·k + m·k + m·n)·b bytes, and ``op(bytes)`` a :class:`MemoryOp`. L layers (L_d with a
+dense MLP, L_m with experts: ``ModelSpec.moe``, E routed experts, k per token, split across
+the ranks as vLLM's tensor parallelism splits them), H hidden size, I_r the per-rank MLP
+width, V the vocabulary (V_r per rank), h_r / kv_r the per-rank query / KV heads, d the head
+dimension, b the weight dtype's bytes. T' is T, or for a step of decodes only under an
+engine that replays CUDA graphs (``EngineOverhead.cuda_graphs``) the captured batch size T
+is padded to (vLLM's sizes: 1, 2, 4, then multiples of 8 to 256, of 16 to 512). A step with
+no tokens costs only its swaps and copies.
 
-Not modelled: MoE, speculative decoding, quantized weights, overlap of swaps with compute,
-CUDA-graph padding, the vocab-parallel logits gather, pipeline parallelism.
+Not modelled: speculative decoding, quantized weights, overlap of swaps with compute, the
+vocab-parallel logits gather, pipeline parallelism, expert parallelism, skewed routing.
 
 With measured tables (``kvloop profile``, :class:`StepTables`) for the very model, ``gemm``
 is the table's per-token work at T (norms, RoPE, activation, residual and embedding folded
@@ -39,6 +51,7 @@ calls this hundreds of thousands of times.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -47,11 +60,16 @@ from kvloop.executor.simulated.network import AllReduceModel, allreduce_model
 from kvloop.executor.simulated.specs import HardwareSpec, ModelSpec
 from kvloop.executor.simulated.tables import StepTables
 
+CUDA_GRAPH_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+"""Batch sizes vLLM captures CUDA graphs of for decode-only steps (its default
+``cudagraph_capture_sizes`` up to 512)."""
+
 Chunk = tuple[int, int]
 """(c, p): a request computing c > 1 prompt tokens after p cached ones."""
 
 TERMS = (
     "gemm",
+    "experts",
     "lm_head",
     "norm",
     "rope",
@@ -95,20 +113,30 @@ class CostModel:
         heads, kv_heads = model.num_heads // tp, model.kv_heads_per_rank(tp)
         d, h = model.head_dim, model.hidden_size
         inter = math.ceil(model.intermediate_size / tp)
-        # (n, k) of each projection GEMM of one layer, per rank.
-        self._gemms = (
-            ((heads + 2 * kv_heads) * d, h),
-            (h, heads * d),
-            (2 * inter, h),
-            (h, inter),
-        )
-        self._vocab_r = math.ceil(model.vocab_size / tp)
         self._layers = model.num_layers
+        self._moe_layers = model.num_moe_layers
+        dense_layers = self._layers - self._moe_layers
+        # (n, k) of each projection GEMM, per rank, and the layers that run it.
+        self._gemms = (
+            (self._layers, ((heads + 2 * kv_heads) * d, h)),
+            (self._layers, (h, heads * d)),
+            (dense_layers, (2 * inter, h)),
+            (dense_layers, (h, inter)),
+        )
+        act_bytes = dense_layers * 3 * inter
+        moe = model.moe
+        if moe is not None:
+            expert = math.ceil(moe.expert_intermediate_size / tp)
+            shared = math.ceil(moe.shared_intermediate_size / tp)
+            self._expert_gemms = ((2 * expert, h), (h, expert))
+            self._shared_gemms = ((2 * shared, h), (h, shared)) if shared else ()
+            act_bytes += self._moe_layers * 3 * (moe.experts_per_token * expert + shared)
+        self._vocab_r = math.ceil(model.vocab_size / tp)
         self._b = b
         self._ops_per_token = (
             (2 * self._layers + 1, 2 * h * b, eff.norm),
             (self._layers, 2 * (heads + kv_heads) * d * b, eff.rope),
-            (self._layers, 3 * inter * b, eff.activation),
+            (self._layers, act_bytes * b / self._layers, eff.activation),
             (2 * self._layers, 3 * h * b, eff.residual),
             (1, 2 * h * b, eff.embedding),
         )
@@ -135,20 +163,41 @@ class CostModel:
         w = (n * k + m * k + m * n) * self._b
         return self.efficiency.gemm.time(f, w, self.hw.peak_flops, self.hw.mem_bandwidth)
 
+    def _experts(self, t: int) -> float:
+        """One MoE layer's router, routed and shared experts, dispatch and combine at T = t
+        (the module docstring's ``experts`` term, per layer)."""
+        moe = self.model.moe
+        assert moe is not None
+        h, b, hw = self.model.hidden_size, self._b, self.hw
+        touched = moe.experts_touched(t)
+        pairs = t * moe.experts_per_token  # (token, expert) rows the experts compute
+        time = self._gemm(t, moe.num_experts, h)
+        for n, k in self._expert_gemms:
+            # NOTE: one fused kernel per projection for all experts (vLLM's fused_moe):
+            # the touched experts' weights, every routed row in and out.
+            flops = 2.0 * pairs * n * k
+            moved = (touched * n * k + pairs * (n + k)) * b
+            time += self.efficiency.gemm.time(flops, moved, hw.peak_flops, hw.mem_bandwidth)
+        time += sum(self._gemm(t, n, k) for n, k in self._shared_gemms)
+        return time + self.efficiency.residual.time(4 * pairs * h * b, hw.mem_bandwidth)
+
     def _token_terms(self, t: int) -> tuple[float, ...]:
-        """(gemm, norm, rope, activation, residual, embedding, allreduce) at T = t."""
+        """(gemm, experts, norm, rope, activation, residual, embedding, allreduce) at T = t."""
         terms = self._by_tokens.get(t)
         if terms is None:
             bw = self.hw.mem_bandwidth
+            experts = 0.0
             if self.tables is not None:
                 gemm, ops = self.tables.token_time(t), (0.0,) * len(self._ops_per_token)
             else:
-                gemm = self._layers * sum(self._gemm(t, n, k) for n, k in self._gemms)
+                gemm = sum(layers * self._gemm(t, n, k) for layers, (n, k) in self._gemms)
+                if self._moe_layers:
+                    experts = self._moe_layers * self._experts(t)
                 ops = tuple(count * op.time(t * per, bw) for count, per, op in self._ops_per_token)
             ar = 0.0
             if self._allreduce is not None:
                 ar = 2 * self._layers * self._allreduce.time(t * self.model.hidden_size * self._b)
-            terms = (gemm, *ops, ar)
+            terms = (gemm, experts, *ops, ar)
             self._by_tokens[t] = terms
         return terms
 
@@ -203,12 +252,20 @@ class CostModel:
         seqs = num_decodes + len(chunks)
         if num_decodes:
             attention += (decode_context + num_decodes * self._decode_pad) * self._t_decode_token
-        gemm, norm, rope, act, res, emb, ar = self._token_terms(tokens)
+        gemm, experts, norm, rope, act, res, emb, ar = self._token_terms(
+            tokens if chunks else self._graph_tokens(tokens))
         lm_head, sampling = self._seq_terms(seqs)
         return (
-            gemm + norm + rope + act + res + emb + ar + lm_head + sampling
+            gemm + experts + norm + rope + act + res + emb + ar + lm_head + sampling
             + attention + self._t_attn_step + moved + self.overhead.time(seqs, tokens)
         )
+
+    def _graph_tokens(self, tokens: int) -> int:
+        """The batch a decode-only step of ``tokens`` runs at: its CUDA graph's captured
+        size when the engine replays graphs, else ``tokens``."""
+        if not self.overhead.cuda_graphs or tokens > CUDA_GRAPH_SIZES[-1]:
+            return tokens
+        return CUDA_GRAPH_SIZES[bisect.bisect_left(CUDA_GRAPH_SIZES, tokens)]
 
     def breakdown(
         self,
@@ -224,8 +281,10 @@ class CostModel:
         tokens = num_decodes + sum(c for c, _ in chunks)
         if tokens > 0:
             seqs = num_decodes + len(chunks)
-            names = ("gemm", "norm", "rope", "activation", "residual", "embedding", "allreduce")
-            parts.update(zip(names, self._token_terms(tokens), strict=True))
+            names = ("gemm", "experts", "norm", "rope", "activation", "residual", "embedding",
+                     "allreduce")
+            padded = tokens if chunks else self._graph_tokens(tokens)
+            parts.update(zip(names, self._token_terms(padded), strict=True))
             parts["lm_head"], parts["sampling"] = self._seq_terms(seqs)
             parts["attention_prefill"] = sum(self._chunk(c, p) for c, p in chunks)
             parts["attention_decode"] = (

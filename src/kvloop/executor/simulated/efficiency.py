@@ -211,9 +211,21 @@ class EngineOverhead:
     """Seconds per scheduled token per step."""
     source: str = ""
     """Where the figures come from."""
+    cuda_graphs: bool = False
+    """The engine replays CUDA graphs for decode-only steps, so their batch is padded to a
+    captured size (``cost_model.CUDA_GRAPH_SIZES``)."""
+    async_scheduling: bool = False
+    """The engine decides step N+1 while step N runs (vLLM's async scheduling), so a
+    request that arrives during step N is first scheduled in step N+2 (the simulator's
+    driver holds it back a step)."""
+    frontend_s: float = 0.0
+    """Seconds a request spends in the server outside the engine loop: HTTP, tokenization,
+    the hand-over to the engine, detokenization and streaming its tokens back. The
+    simulator's engine sees each request this long after it was sent, so TTFT and e2e
+    latency include it and inter-token gaps do not."""
 
     def __post_init__(self) -> None:
-        for name in ("step_s", "seq_s", "token_s"):
+        for name in ("step_s", "seq_s", "token_s", "frontend_s"):
             _check_nonneg("EngineOverhead", name, getattr(self, name))
 
     def time(self, num_seqs: int, num_tokens: int) -> float:

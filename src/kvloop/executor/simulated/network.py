@@ -1,13 +1,22 @@
 """All-reduce time for tensor parallelism, from measured tables by message size and workers.
 
-Pure stdlib. ``data/network.json`` holds median all-reduce times condensed from Vidur's
-public NCCL profiles (``benchmarks/fit_cost_model.py`` writes it): one table per
-interconnect (``nvlink3``: A100 DGX, ``nvlink4``: H100 DGX, ``pcie4`` and ``pcie5``: GPUs
-talking over PCIe, measured on NVLink-pair machines where a 4-GPU ring crosses PCIe) and
-worker count. Times between measured sizes are interpolated log-log; sizes outside the
-table extrapolate linearly in bytes from its last two points (bandwidth-bound) or keep its
-first time (latency-bound). A worker count with no table is scaled from the nearest one by
-the ring all-reduce's traffic factor 2(n−1)/n.
+Pure stdlib. Two kinds of measurement, both by message size and worker count:
+
+* ``data/network.json``: median NCCL all-reduce times condensed from Vidur's public profiles
+  (``benchmarks/fit_cost_model.py`` writes it): one table per interconnect (``nvlink3``:
+  A100 DGX, ``nvlink4``: H100 DGX, ``pcie4`` and ``pcie5``: GPUs talking over PCIe, measured
+  on NVLink-pair machines where a 4-GPU ring crosses PCIe). Measured through
+  ``torch.distributed`` outside CUDA graphs, so their small messages carry a launch.
+* ``data/custom_allreduce.json``: the custom peer-to-peer all-reduce vLLM and SGLang run
+  inside CUDA graphs for messages up to 8 MiB over NVLink (published H100 figures). A step
+  pays the faster of the two, as vLLM picks it.
+
+Times between measured sizes are interpolated log-log; sizes outside a table extrapolate
+linearly in bytes from its last two points (bandwidth-bound) or keep its first time
+(latency-bound). A worker count with no table is scaled from the nearest one by the ring
+all-reduce's traffic factor 2(n−1)/n. An interconnect with no measurement of its own
+(``DERIVED``) takes another's tables with the bandwidth-bound part (time above the table's
+first, latency-bound entry) scaled by the ratio of their link bandwidths.
 """
 
 from __future__ import annotations
@@ -49,8 +58,8 @@ class AllReduceTable:
             slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
             return times[-1] + max(slope, 0.0) * (size - sizes[-1])
         i = bisect.bisect_right(sizes, size)
-        if times[i - 1] == times[i]:
-            return times[i]
+        if times[i - 1] == times[i] or size == sizes[i - 1]:
+            return times[i - 1]
         x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
         y0, y1 = math.log(times[i - 1]), math.log(times[i])
         return math.exp(y0 + (y1 - y0) * (math.log(size) - x0) / (x1 - x0))
@@ -60,47 +69,91 @@ def _ring(n: int) -> float:
     return 2 * (n - 1) / n
 
 
+DERIVED: dict[str, tuple[str, float]] = {
+    # NVLink 3 (A100): 600 GB/s per GPU, both directions; NVLink 4 (H100) 900 GB/s.
+    "nvlink3": ("nvlink4", 900 / 600),
+    # NVLink 5 (B200): 1.8 TB/s per GPU, both directions.
+    "nvlink5": ("nvlink4", 900 / 1800),
+}
+"""Interconnect -> (the one whose tables stand in, scale of their bandwidth-bound part),
+for the tables an interconnect lacks (nvlink3 has NCCL tables of its own, no custom ones)."""
+
+
+def _scaled(table: AllReduceTable, size: float, workers: int, bw_scale: float) -> float:
+    """``table`` at ``size``, its bandwidth-bound part scaled by the ring factor of
+    ``workers`` against the table's and by ``bw_scale`` (the latency floor unscaled)."""
+    base = table.time(size)
+    scale = bw_scale * _ring(workers) / _ring(table.num_workers)
+    if scale == 1.0:
+        return base
+    floor = table.times_s[0]
+    return floor + max(base - floor, 0.0) * scale
+
+
 @dataclass(frozen=True)
 class AllReduceModel:
-    """All-reduce time of one interconnect at a worker count (a table, scaled if needed)."""
+    """All-reduce time of one interconnect at a worker count: the NCCL table, or the custom
+    all-reduce's where it is faster (the module docstring)."""
 
     table: AllReduceTable
     num_workers: int
+    custom: AllReduceTable | None = None
+    """The custom all-reduce's table (None: NCCL only)."""
+    custom_max_bytes: int = 0
+    """Largest message the custom all-reduce takes."""
+    bw_scale: float = 1.0
+    """Scale of the NCCL table's bandwidth-bound part (a derived interconnect)."""
+    custom_bw_scale: float = 1.0
+    """Scale of the custom table's bandwidth-bound part."""
 
     def time(self, size: float) -> float:
-        """Seconds; bandwidth-bound traffic scales by the ring factor when the table was
-        measured at another worker count (its first entry, the latency floor, does not)."""
-        base = self.table.time(size)
-        if self.num_workers == self.table.num_workers:
-            return base
-        floor = self.table.times_s[0]
-        scale = _ring(self.num_workers) / _ring(self.table.num_workers)
-        return floor + max(base - floor, 0.0) * scale
+        """Seconds to all-reduce ``size`` bytes."""
+        t = _scaled(self.table, size, self.num_workers, self.bw_scale)
+        if self.custom is not None and size <= self.custom_max_bytes:
+            t = min(t, _scaled(self.custom, size, self.num_workers, self.custom_bw_scale))
+        return t
 
 
 @cache
-def _tables() -> dict[str, Any]:
-    path = resources.files("kvloop.executor.simulated").joinpath("data/network.json")
+def _data(name: str) -> dict[str, Any]:
+    path = resources.files("kvloop.executor.simulated").joinpath(f"data/{name}")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
 def interconnects() -> list[str]:
-    """Names of the shipped interconnect tables."""
-    return sorted(_tables()["interconnects"])
+    """Names of the interconnects the simulator knows (measured or derived)."""
+    return sorted({*_data("network.json")["interconnects"], *DERIVED})
+
+
+def _nearest(name: str, by_n: dict[str, Any], num_workers: int) -> AllReduceTable:
+    """The table of ``by_n`` nearest ``num_workers``, made monotone: a larger message never
+    costs less (a measured dip, e.g. 4 KiB below 512 B, is noise)."""
+    tables = {int(n): rows for n, rows in by_n.items()}
+    n = min(tables, key=lambda k: (abs(k - num_workers), -k))
+    times, last = [], 0.0
+    for _, t in tables[n]:
+        last = max(last, float(t))
+        times.append(last)
+    return AllReduceTable(name, n, tuple(int(s) for s, _ in tables[n]), tuple(times))
 
 
 def allreduce_model(interconnect: str, num_workers: int) -> AllReduceModel:
-    """The shipped table of ``interconnect`` closest to ``num_workers`` (see the module
-    docstring); ValueError for an unknown interconnect."""
-    data = _tables()["interconnects"]
-    if interconnect not in data:
+    """The model of ``interconnect`` at ``num_workers`` from the shipped tables nearest in
+    worker count (see the module docstring); ValueError for an unknown interconnect."""
+    nccl = _data("network.json")["interconnects"]
+    custom = _data("custom_allreduce.json")
+    base, scale = DERIVED.get(interconnect, (interconnect, 1.0))
+    own_nccl = interconnect in nccl
+    if not own_nccl and base not in nccl:
         raise ValueError(
-            f"unknown interconnect '{interconnect}': one of {', '.join(sorted(data))}"
-        )
-    by_n = {int(n): t for n, t in data[interconnect]["tables"].items()}
-    n = min(by_n, key=lambda k: (abs(k - num_workers), -k))
-    rows = by_n[n]
-    table = AllReduceTable(
-        interconnect, n, tuple(int(s) for s, _ in rows), tuple(float(t) for _, t in rows)
-    )
-    return AllReduceModel(table, num_workers)
+            f"unknown interconnect '{interconnect}': one of {', '.join(interconnects())}")
+    table = _nearest(interconnect, nccl[interconnect if own_nccl else base]["tables"],
+                     num_workers)
+    own_custom = interconnect in custom["interconnects"]
+    custom_name = interconnect if own_custom else base
+    small = None
+    if custom_name in custom["interconnects"]:
+        small = _nearest(custom_name, custom["interconnects"][custom_name], num_workers)
+    return AllReduceModel(table, num_workers, small, int(custom["max_bytes"]),
+                          bw_scale=1.0 if own_nccl else scale,
+                          custom_bw_scale=1.0 if own_custom else scale)

@@ -33,8 +33,52 @@ _DTYPE_BYTES = {
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The routed experts of a mixture-of-experts decoder (Mixtral, Qwen2/Qwen3-MoE,
+    DeepSeek-V2/V3's MLPs): each MoE layer's MLP is ``num_experts`` SwiGLU experts of width
+    ``expert_intermediate_size``, of which a router picks ``experts_per_token`` for each
+    token, plus shared experts every token runs through."""
+
+    num_experts: int
+    """Routed experts per MoE layer (HF ``num_local_experts``, ``num_experts``,
+    ``n_routed_experts``)."""
+    experts_per_token: int
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    expert_intermediate_size: int
+    """SwiGLU width of one routed expert (HF ``moe_intermediate_size``; Mixtral's
+    ``intermediate_size``)."""
+    shared_intermediate_size: int = 0
+    """SwiGLU width of the shared experts together (Qwen2-MoE's
+    ``shared_expert_intermediate_size``, DeepSeek's ``n_shared_experts`` x
+    ``moe_intermediate_size``); 0: none."""
+    first_dense_layers: int = 0
+    """Leading layers whose MLP is dense (``intermediate_size`` wide), as DeepSeek's
+    ``first_k_dense_replace``."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "experts_per_token", "expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MoESpec.{name} must be a positive int, got {value!r}")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("MoESpec.experts_per_token must not exceed num_experts")
+        for name in ("shared_intermediate_size", "first_dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"MoESpec.{name} must be an int >= 0, got {value!r}")
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected distinct experts that ``tokens`` tokens are routed to, each token to
+        ``experts_per_token`` of them uniformly: ``E·(1 − (1 − k/E)^T)``. This is how many
+        experts' weights a step reads."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens) if tokens > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """Shapes of a dense Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm).
+    """Shapes of a Llama-style decoder (GQA attention, SwiGLU MLP, RMSNorm), dense or with
+    mixture-of-experts MLPs (``moe``).
 
     Biases (Qwen2's q/k/v bias) are ignored: they are < 0.01% of the parameters.
     """
@@ -61,6 +105,9 @@ class ModelSpec:
     """True when the LM head reuses the embedding table (no separate weights)."""
     max_position_embeddings: int = 131072
     """Longest context the model supports: the default ``max_model_len``."""
+    moe: MoESpec | None = None
+    """The experts of a mixture-of-experts model (None: dense; ``intermediate_size`` is
+    then every layer's MLP width, else the dense layers' only)."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -97,14 +144,29 @@ class ModelSpec:
         self.check_tp(tp)
         return max(1, math.ceil(self.num_kv_heads / tp))
 
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
+        return 0 if self.moe is None else self.num_layers - self.moe.first_dense_layers
+
     def linear_params(self, tp: int = 1) -> int:
-        """Per-rank weights of every decoder layer's projections (q, k, v, o, gate, up,
-        down): the weights each computed token multiplies, lm_head excluded."""
+        """Per-rank weights of every decoder layer's projections (q, k, v, o; gate, up and
+        down of the dense MLPs, of every expert and of the shared experts; the routers),
+        lm_head excluded. Experts are split across ranks as vLLM's tensor parallelism
+        splits them: each rank holds a slice of every expert."""
         self.check_tp(tp)
-        q_o = 2 * self.hidden_size * (self.num_heads // tp) * self.head_dim
-        k_v = 2 * self.hidden_size * self.kv_heads_per_rank(tp) * self.head_dim
-        mlp = 3 * self.hidden_size * math.ceil(self.intermediate_size / tp)
-        return self.num_layers * (q_o + k_v + mlp)
+        h = self.hidden_size
+        q_o = 2 * h * (self.num_heads // tp) * self.head_dim
+        k_v = 2 * h * self.kv_heads_per_rank(tp) * self.head_dim
+        dense_mlp = 3 * h * math.ceil(self.intermediate_size / tp)
+        moe_layers = self.num_moe_layers
+        params = self.num_layers * (q_o + k_v) + (self.num_layers - moe_layers) * dense_mlp
+        if self.moe is not None:
+            m = self.moe
+            experts = m.num_experts * 3 * h * math.ceil(m.expert_intermediate_size / tp)
+            shared = 3 * h * math.ceil(m.shared_intermediate_size / tp)
+            params += moe_layers * (experts + shared + h * m.num_experts)
+        return params
 
     def vocab_params(self, tp: int = 1) -> int:
         """Per-rank weights of one vocabulary matrix (embedding or LM head), vocab-parallel."""
@@ -162,6 +224,7 @@ class ModelSpec:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        layers = need("num_hidden_layers")
         return cls(
             name=name,
             num_layers=need("num_hidden_layers"),
@@ -174,7 +237,34 @@ class ModelSpec:
             dtype_bytes=_DTYPE_BYTES.get(dtype.removeprefix("torch."), 2),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+            moe=moe_from_hf_config(cfg, layers, where),
         )
+
+
+def moe_from_hf_config(cfg: dict[str, Any], num_layers: int, where: str) -> MoESpec | None:
+    """The experts of a Hugging Face config, in any of its spellings (None for a dense
+    model): Mixtral (``num_local_experts``; experts ``intermediate_size`` wide), Qwen2-MoE
+    and Qwen3-MoE (``num_experts``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size``, ``mlp_only_layers``), DeepSeek-V2/V3
+    (``n_routed_experts``, ``n_shared_experts``, ``first_k_dense_replace``)."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get(
+        "n_routed_experts")
+    if not experts:
+        return None
+    top_k = cfg.get("num_experts_per_tok")
+    if not top_k:
+        raise ValueError(f"{where}: a mixture-of-experts config needs 'num_experts_per_tok'")
+    width = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if cfg.get("n_shared_experts"):
+        shared = int(cfg["n_shared_experts"]) * width
+    dense = int(cfg.get("first_k_dense_replace") or 0)
+    if cfg.get("mlp_only_layers"):  # NOTE: Qwen's dense layers; counted as leading ones
+        dense = len(cfg["mlp_only_layers"])
+    try:
+        return MoESpec(int(experts), int(top_k), width, shared, min(dense, num_layers))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
