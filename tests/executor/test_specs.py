@@ -70,7 +70,8 @@ def test_presets_parse_with_known_parameter_counts() -> None:
         assert spec is MODEL_PRESETS[name]
         assert spec.num_params == pytest.approx(params, rel=0.005)
     assert get_model_spec("llama-3.1-8b").kv_bytes_per_token() == 128 * 1024
-    for name in ("a100-80gb", "a40", "h100", "h200", "l4", "rtx-4090", "rtx-pro-6000"):
+    for name in ("a100-80gb", "a40", "h100", "h200", "l4", "l40s", "b200", "rtx-4090",
+                 "rtx-pro-6000"):
         assert get_hardware_spec(name) is HARDWARE_PRESETS[name]
         assert get_hardware_spec(name.upper()) is HARDWARE_PRESETS[name]
 
@@ -123,7 +124,8 @@ def test_unknown_names_list_the_choices() -> None:
         "unknown model 'gpt-17': choose a preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
         "smollm2-135m) or give a path to a Hugging Face config.json"
     )
-    with pytest.raises(ValueError, match="a100-80gb, a40, h100, h200, l4, rtx-4090, rtx-pro-6000"):
+    with pytest.raises(ValueError, match="a100-80gb, a40, h100, h200, b200, l4, l40s, rtx-4090, "
+                       "rtx-pro-6000"):
         get_hardware_spec("tpu-v9")
 
 

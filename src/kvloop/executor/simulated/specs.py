@@ -341,8 +341,17 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h200": HardwareSpec(  # H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
         "h200", 989.4e12, 4.8e12, 143771 * MiB, _PCIE5, "nvlink4"
     ),
+    "b200": HardwareSpec(  # HGX B200: 2.25 PF bf16 dense (4.5 sparse); HBM3e on a 7,680-bit
+        # bus at 3,996 MHz = 7.67 TB/s as the driver reports it (the datasheet's 8 TB/s
+        # assumes 8,192 bits); nvidia-smi total 183,359 MiB; NVLink 5, PCIe Gen5 to the host.
+        "b200", 2.25e15, 7.67e12, 183359 * MiB, _PCIE5, "nvlink5"
+    ),
     "l4": HardwareSpec(  # L4 datasheet: 242 TF bf16 with sparsity (121 dense), 300 GB/s.
         "l4", 121e12, 300e9, 23034 * MiB, _PCIE4, "pcie4"
+    ),
+    "l40s": HardwareSpec(  # L40S datasheet: 362 TF bf16 dense (733 sparse), 864 GB/s GDDR6,
+        # 48 GB with ECC (the nvidia-smi total of the 48 GB Ada/Ampere cards), PCIe Gen4.
+        "l40s", 362.05e12, 864e9, 46068 * MiB, _PCIE4, "pcie4"
     ),
     "rtx-4090": HardwareSpec(  # Ada whitepaper: 165.2 TF bf16 (FP32 accumulate), 1,008 GB/s.
         # No P2P on GeForce: NCCL stages all-reduce through host memory, slower than the
