@@ -37,8 +37,16 @@ engine that replays CUDA graphs (``EngineOverhead.cuda_graphs``) the captured ba
 is padded to (vLLM's sizes: 1, 2, 4, then multiples of 8 to 256, of 16 to 512). A step with
 no tokens costs only its swaps and copies.
 
+With expert parallelism (``expert_parallel``, vLLM's ``--enable-expert-parallel``) over
+``ep = tp·dp`` ranks each rank holds E/ep whole experts and computes their share of the
+routed rows of every data-parallel rank's tokens (``dp`` ranks, each assumed to run a batch
+like this one); with ``dp > 1`` each MoE layer adds a dispatch and a combine all-to-all of
+the rank's T'·k·H·b bytes, costed as a ring all-reduce of half as many bytes (the traffic an
+all-to-all puts on each GPU).
+
 Not modelled: speculative decoding, quantized weights, overlap of swaps with compute, the
-vocab-parallel logits gather, pipeline parallelism, expert parallelism, skewed routing.
+vocab-parallel logits gather, pipeline parallelism, skewed routing, load imbalance between
+data-parallel ranks.
 
 With measured tables (``kvloop profile``, :class:`StepTables`) for the very model, ``gemm``
 is the table's per-token work at T (norms, RoPE, activation, residual and embedding folded
@@ -103,9 +111,22 @@ class CostModel:
         efficiency: DeviceEfficiency | None = None,
         overhead: EngineOverhead | None = None,
         tables: StepTables | None = None,
+        *,
+        dp: int = 1,
+        expert_parallel: bool = False,
     ) -> None:
         model.check_tp(tp)
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ValueError(f"data parallel size must be a positive int, got {dp!r}")
+        if expert_parallel and model.moe is None:
+            raise ValueError(f"{model.name} has no experts: expert parallelism needs a "
+                             "mixture-of-experts model")
         self.model, self.hw, self.tp = model, hw, tp
+        self.dp = dp
+        """Data-parallel ranks the step's experts serve (vLLM's ``--data-parallel-size``):
+        each runs a batch like this one; this model costs one of them."""
+        self.ep = tp * dp if expert_parallel else 1
+        """Ranks the experts are spread over (1: split by tensor parallelism instead)."""
         self.efficiency = eff = efficiency if efficiency is not None else hw.efficiency()
         self.overhead = overhead if overhead is not None else EngineOverhead(source="none")
         self.tables = tables
@@ -126,11 +147,17 @@ class CostModel:
         act_bytes = dense_layers * 3 * inter
         moe = model.moe
         if moe is not None:
-            expert = math.ceil(moe.expert_intermediate_size / tp)
+            # NOTE: with expert parallelism each rank holds whole experts (a 1/ep share of
+            # them), else a 1/tp slice of every expert
+            expert = moe.expert_intermediate_size if self.ep > 1 else math.ceil(
+                moe.expert_intermediate_size / tp)
             shared = math.ceil(moe.shared_intermediate_size / tp)
             self._expert_gemms = ((2 * expert, h), (h, expert))
             self._shared_gemms = ((2 * shared, h), (h, shared)) if shared else ()
-            act_bytes += self._moe_layers * 3 * (moe.experts_per_token * expert + shared)
+            rows = moe.experts_per_token * dp / self.ep if self.ep > 1 else moe.experts_per_token
+            act_bytes += self._moe_layers * 3 * (rows * expert + shared)
+            self._alltoall: AllReduceModel | None = (
+                allreduce_model(hw.interconnect, self.ep) if self.ep > 1 and dp > 1 else None)
         self._vocab_r = math.ceil(model.vocab_size / tp)
         self._b = b
         self._ops_per_token = (
@@ -169,16 +196,24 @@ class CostModel:
         moe = self.model.moe
         assert moe is not None
         h, b, hw = self.model.hidden_size, self._b, self.hw
-        touched = moe.experts_touched(t)
-        pairs = t * moe.experts_per_token  # (token, expert) rows the experts compute
+        ep, k = self.ep, moe.experts_per_token
+        # NOTE: the experts serve every data-parallel rank's tokens (each rank runs a batch
+        # like this one); with expert parallelism this rank computes its share of the
+        # experts (and of their rows), else its slice of all of them.
+        touched = moe.experts_touched(t * self.dp) / ep
+        pairs = t * self.dp * k / ep  # (token, expert) rows this rank computes
         time = self._gemm(t, moe.num_experts, h)
-        for n, k in self._expert_gemms:
+        if self._alltoall is not None:
+            # NOTE: dispatch and combine: each moves this rank's t·k rows, (ep-1)/ep of them
+            # to other ranks, half what a ring all-reduce of the same bytes moves
+            time += 2 * self._alltoall.time(t * k * h * b / 2)
+        for n, kk in self._expert_gemms:
             # NOTE: one fused kernel per projection for all experts (vLLM's fused_moe):
             # the touched experts' weights, every routed row in and out.
-            flops = 2.0 * pairs * n * k
-            moved = (touched * n * k + pairs * (n + k)) * b
+            flops = 2.0 * pairs * n * kk
+            moved = (touched * n * kk + pairs * (n + kk)) * b
             time += self.efficiency.gemm.time(flops, moved, hw.peak_flops, hw.mem_bandwidth)
-        time += sum(self._gemm(t, n, k) for n, k in self._shared_gemms)
+        time += sum(self._gemm(t, n, kk) for n, kk in self._shared_gemms)
         return time + self.efficiency.residual.time(4 * pairs * h * b, hw.mem_bandwidth)
 
     def _token_terms(self, t: int) -> tuple[float, ...]:

@@ -149,11 +149,12 @@ class ModelSpec:
         """Layers whose MLP is a mixture of experts (0 for a dense model)."""
         return 0 if self.moe is None else self.num_layers - self.moe.first_dense_layers
 
-    def linear_params(self, tp: int = 1) -> int:
+    def linear_params(self, tp: int = 1, ep: int = 1) -> int:
         """Per-rank weights of every decoder layer's projections (q, k, v, o; gate, up and
         down of the dense MLPs, of every expert and of the shared experts; the routers),
         lm_head excluded. Experts are split across ranks as vLLM's tensor parallelism
-        splits them: each rank holds a slice of every expert."""
+        splits them (each rank holds a slice of every expert) or, with expert parallelism
+        over ``ep`` ranks, whole: each rank holds ``num_experts / ep`` of them."""
         self.check_tp(tp)
         h = self.hidden_size
         q_o = 2 * h * (self.num_heads // tp) * self.head_dim
@@ -163,7 +164,10 @@ class ModelSpec:
         params = self.num_layers * (q_o + k_v) + (self.num_layers - moe_layers) * dense_mlp
         if self.moe is not None:
             m = self.moe
-            experts = m.num_experts * 3 * h * math.ceil(m.expert_intermediate_size / tp)
+            if ep > 1:
+                experts = math.ceil(m.num_experts / ep) * 3 * h * m.expert_intermediate_size
+            else:
+                experts = m.num_experts * 3 * h * math.ceil(m.expert_intermediate_size / tp)
             shared = 3 * h * math.ceil(m.shared_intermediate_size / tp)
             params += moe_layers * (experts + shared + h * m.num_experts)
         return params
@@ -173,10 +177,10 @@ class ModelSpec:
         self.check_tp(tp)
         return math.ceil(self.vocab_size / tp) * self.hidden_size
 
-    def _params(self, tp: int) -> int:
+    def _params(self, tp: int, ep: int = 1) -> int:
         norms = (2 * self.num_layers + 1) * self.hidden_size  # NOTE: replicated on every rank.
         heads = 1 if self.tie_word_embeddings else 2
-        return self.linear_params(tp) + heads * self.vocab_params(tp) + norms
+        return self.linear_params(tp, ep) + heads * self.vocab_params(tp) + norms
 
     @property
     def num_params(self) -> int:
@@ -184,9 +188,10 @@ class ModelSpec:
         head unless tied."""
         return self._params(1)
 
-    def weight_bytes(self, tp: int = 1) -> int:
-        """Weight bytes resident on each GPU (embeddings split across ranks too)."""
-        return self._params(tp) * self.dtype_bytes
+    def weight_bytes(self, tp: int = 1, ep: int = 1) -> int:
+        """Weight bytes resident on each GPU (embeddings split across ranks too; experts
+        spread over ``ep`` ranks with expert parallelism)."""
+        return self._params(tp, ep) * self.dtype_bytes
 
     def streamed_weight_bytes(self, tp: int = 1) -> int:
         """Weight bytes one forward pass reads from memory on each GPU: everything but an
@@ -486,17 +491,19 @@ def num_gpu_blocks(
     tp: int = 1,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int | None = None,
+    ep: int = 1,
 ) -> int:
     """KV blocks that fit on each GPU: (memory × utilization − weights − reserve) // block.
 
-    ``activation_reserve_bytes`` defaults to :func:`default_activation_reserve_bytes`.
-    Raises ValueError when nothing is left for the KV cache.
+    ``activation_reserve_bytes`` defaults to :func:`default_activation_reserve_bytes`;
+    ``ep``: the expert-parallel group (experts spread over it). Raises ValueError when
+    nothing is left for the KV cache.
     """
     model.check_tp(tp)
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     budget = int(hw.mem_bytes * gpu_memory_utilization)
-    weights = model.weight_bytes(tp)
+    weights = model.weight_bytes(tp, ep)
     if weights >= budget:
         raise ValueError(
             f"{model.name} weights ({weights / 1e9:.0f} GB per GPU at tp={tp}) "
