@@ -29,9 +29,11 @@ from kvloop.executor.simulated.calibration import Calibration
 from kvloop.executor.simulated.tables import StepTables
 from kvloop.sim.cluster import format_cluster, simulate_cluster
 from kvloop.sim.driver import simulate
+from kvloop.sim.inference_perf import StagedWorkload, load_inference_perf
 from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
-from kvloop.sim.traces import SHIPPED_TRACES, load_trace
+from kvloop.sim.stages import format_stages, stage_summaries
+from kvloop.sim.traces import SHIPPED_TRACES, WorkloadRequest, load_trace
 from kvloop.sim.workloads import (
     apply_priority_mix,
     apply_tenant_mix,
@@ -39,6 +41,13 @@ from kvloop.sim.workloads import (
     parse_tenant_mix,
     synthetic_workload,
 )
+
+SOURCE_DEFAULTS: dict[str, object] = {
+    "trace": None, "num_requests": None, "request_rate": None, "rate_scale": 1.0,
+    "burstiness": 1.0, "prompt_len": "trace:sharegpt", "output_len": "trace:sharegpt",
+}
+"""The flags that make a trace or synthetic workload (dest -> default): ``--workload`` is a
+whole workload, so none of them may be set with it."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,20 +71,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a `kvloop profile` file: cost steps on the profiled device instead "
                    "of a --gpu preset (default: none)")
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=None,
+    w.add_argument("--workload", default=None, metavar="FILE",
+                   help="an inference-perf config (YAML or JSON: data and load stages) to "
+                   "simulate instead of a trace or synthetic workload; the summary gains one "
+                   "row per stage (default: none)")
+    w.add_argument("--trace", default=SOURCE_DEFAULTS["trace"],
                    help=f"shipped trace ({', '.join(SHIPPED_TRACES)}) or a trace file path "
                    "(default: none, a synthetic workload)")
-    w.add_argument("--rate-scale", type=float, default=1.0,
+    w.add_argument("--rate-scale", type=float, default=SOURCE_DEFAULTS["rate_scale"],
                    help="multiply the trace's arrival rate")
-    w.add_argument("--num-requests", type=int, default=None,
+    w.add_argument("--num-requests", type=int, default=SOURCE_DEFAULTS["num_requests"],
                    help="requests (default: 1000 synthetic, or the whole trace)")
-    w.add_argument("--request-rate", type=float, default=None,
+    w.add_argument("--request-rate", type=float, default=SOURCE_DEFAULTS["request_rate"],
                    help="Poisson/gamma arrivals in req/s (inf: all at once) (default: inf; "
                    "with --trace, the trace's own arrivals)")
-    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    w.add_argument("--prompt-len", default="trace:sharegpt",
+    w.add_argument("--burstiness", type=float, default=SOURCE_DEFAULTS["burstiness"],
+                   help="gamma shape; 1 = Poisson")
+    w.add_argument("--prompt-len", default=SOURCE_DEFAULTS["prompt_len"],
                    help="synthetic prompt lengths: N, A:B or trace:NAME")
-    w.add_argument("--output-len", default="trace:sharegpt",
+    w.add_argument("--output-len", default=SOURCE_DEFAULTS["output_len"],
                    help="synthetic output lengths: N, A:B or trace:NAME")
     w.add_argument("--priority-mix", default=None,
                    help="priorities with shares, e.g. 0:0.2,1:0.8 (default: none, all 0)")
@@ -84,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "0.6,0.05,0.05 (seeded by --seed); the summary gains per-tenant rows and "
                    "Jain's fairness index (default: none)")
     w.add_argument("--seed", type=int, default=0,
-                   help="seed of the synthetic workload and the mixes (default: %(default)s)")
+                   help="seed of the synthetic or --workload workload and the mixes "
+                   "(default: %(default)s)")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1,
                    help="replicas of this configuration behind one router, on one virtual "
@@ -118,8 +133,26 @@ def build_configs(
     return ea.scheduler_config(max_len), ea.cache_config(gpu_blocks, cpu_blocks)
 
 
-def build_workload(args: argparse.Namespace):
-    if args.trace is not None:
+def load_staged(args: argparse.Namespace) -> StagedWorkload | None:
+    """The ``--workload`` file's workload (None without one); ``ValueError`` naming the flags
+    that would also shape the workload, or the file and what is wrong in it."""
+    if args.workload is None:
+        return None
+    given = [f"--{dest.replace('_', '-')}" for dest, default in SOURCE_DEFAULTS.items()
+             if getattr(args, dest) != default]
+    if given:
+        raise ValueError(f"--workload sets the requests and their arrivals: not with "
+                         f"{', '.join(given)}")
+    return load_inference_perf(args.workload, seed=args.seed)
+
+
+def build_workload(args: argparse.Namespace, staged: StagedWorkload | None = None
+                   ) -> list[WorkloadRequest]:
+    """The requests to simulate: ``staged``'s (``--workload``), a trace's or synthetic ones,
+    with the priority and tenant mixes applied."""
+    if staged is not None:
+        workload = staged.requests
+    elif args.trace is not None:
         workload = load_trace(
             args.trace, rate_scale=args.rate_scale, num_requests=args.num_requests,
             request_rate=args.request_rate, seed=args.seed,
@@ -210,6 +243,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_cluster_args(args)
+    staged = load_staged(args)
     cal = Calibration.load(args.calibration) if args.calibration is not None else None
     if args.model is None:
         model = cal.model if cal is not None else get_model_spec("llama-3.1-8b")
@@ -229,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     sched, cache = build_configs(ea, model, hw, tp)
     if cost.tables is not None:
         warn_beyond(cost.tables, sched)
-    workload = build_workload(args)
+    workload = build_workload(args, staged)
     check_fits(workload, sched, cache)
     progress = not args.no_progress and sys.stderr.isatty()
     if args.replicas > 1:
@@ -249,13 +283,19 @@ def run(args: argparse.Namespace) -> int:
         "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
         "cost_model": basis, "efficiency_source": cost.efficiency.source,
         "engine_overhead": vars(cost.overhead),
-        "trace": args.trace, "num_requests": len(workload),
+        "trace": args.trace, "workload": args.workload, "num_requests": len(workload),
         "scheduler": vars(sched) | {"prefill_chunk_cap": sched.prefill_chunk_cap},
         "cache": vars(cache),
     }
+    if staged is not None:
+        m["stages"] = stage_summaries(result.requests, staged)
+        source = (f"{args.workload} (inference-perf, {staged.kind}, "
+                  f"{len(staged.stages)} stages)")
+    else:
+        source = args.trace or "a synthetic workload"
     fleet = f"{args.replicas} replicas of " if args.replicas > 1 else ""
     print(f"kvloop simulate: {fleet}{model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
-          f"{len(workload)} requests from {args.trace or 'a synthetic workload'}"
+          f"{len(workload)} requests from {source}"
           f"{f', routed {args.router}' if args.replicas > 1 else ''}")
     print(f"cost model: {basis}: {cost.overhead.describe()}")
     if args.replicas > 1:
@@ -264,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         extra = scheduler_rows(m["scheduler"]) | {
             "Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
         print(format_table(m, extra))
+    if staged is not None:
+        print(format_stages(m["stages"]))
     note = load_note(m["load"])
     if note:
         print(note)

@@ -19,14 +19,16 @@ such a config (YAML or JSON) and builds the same requests:
 * ``load.type``: ``constant`` (evenly spaced arrivals at each stage's ``rate``) or
   ``poisson`` (exponential gaps); stages follow one another.
 
-A length distribution is a normal one clipped to its ``min`` and ``max`` and rounded, as
-inference-perf draws them. Fields kvloop does not model (the tokenizer, the server, the
-API type) are ignored; anything else that cannot be read is a ``ValueError`` naming it.
+A length distribution is a normal one clipped to its ``min`` (default 1) and ``max``
+(default none) and rounded, as inference-perf draws them. Fields kvloop does not model (the
+tokenizer, the server, the API type) are ignored; anything else that cannot be read is a
+``ValueError`` naming it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -81,14 +83,18 @@ def load_inference_perf(path: str | Path, *, seed: int = 0) -> StagedWorkload:
         try:
             config = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON ({exc})") from None
+            raise ValueError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
     else:
         import yaml
 
         try:
             config = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not YAML ({exc})") from None
+            # NOTE: PyYAML's message spans lines (context, quoted source); the error is one.
+            mark = getattr(exc, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"{path}{line}: not YAML ({problem})") from None
     return workload_from_config(config, seed=seed, where=str(path))
 
 
@@ -138,8 +144,10 @@ def _section(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, An
 def _number(d: Mapping[str, Any], key: str, where: str, *, default: float | None = None,
             minimum: float = 0.0) -> float:
     value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise ValueError(f"{where}: '{key}' must be a number >= {minimum:g}, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum
+            or (key in d and not math.isfinite(value))):
+        bound = "> 0" if 0 < minimum < 1e-6 else f">= {minimum:g}"
+        raise ValueError(f"{where}: '{key}' must be a finite number {bound}, got {value!r}")
     return float(value)
 
 
@@ -189,8 +197,8 @@ def _lengths(d: Mapping[str, Any], n: int, rng: random.Random, where: str) -> li
     mean = _number(d, "mean", where, minimum=1)
     std = _number(d, "std_dev", where, default=_number(d, "std", where, default=0.0))
     low = _number(d, "min", where, default=1.0, minimum=1)
-    high = _number(d, "max", where, default=mean, minimum=low)
-    return _draw(mean, std, low, max(high, mean), n, rng)
+    high = _number(d, "max", where, default=math.inf, minimum=low)
+    return _draw(mean, std, low, high, n, rng)
 
 
 def _shared_prefix(d: Mapping[str, Any], rng: random.Random, where: str
@@ -205,7 +213,7 @@ def _shared_prefix(d: Mapping[str, Any], rng: random.Random, where: str
         mean = _number(d, name, where, minimum=1)
         std = _number(d, f"{name}_std", where, default=0.0)
         low = _number(d, f"{name}_min", where, default=1.0, minimum=1)
-        high = _number(d, f"{name}_max", where, default=max(mean, low), minimum=low)
+        high = _number(d, f"{name}_max", where, default=math.inf, minimum=low)
         return _draw(mean, std, low, high, groups * per_group, rng)
 
     questions, outputs = dist("question_len"), dist("output_len")
