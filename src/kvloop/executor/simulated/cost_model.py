@@ -32,10 +32,11 @@ W = (n·k + m·k + m·n)·b bytes, and ``op(bytes)`` a :class:`MemoryOp`. L laye
 dense MLP, L_m with experts: ``ModelSpec.moe``, E routed experts, k per token, split across
 the ranks as vLLM's tensor parallelism splits them), H hidden size, I_r the per-rank MLP
 width, V the vocabulary (V_r per rank), h_r / kv_r the per-rank query / KV heads, d the head
-dimension, b the weight dtype's bytes. T' is T, or for a step of decodes only under an
-engine that replays CUDA graphs (``EngineOverhead.cuda_graphs``) the captured batch size T
-is padded to (vLLM's sizes: 1, 2, 4, then multiples of 8 to 256, of 16 to 512). A step with
-no tokens costs only its swaps and copies.
+dimension, b the weight dtype's bytes. T' is T, or under an engine that replays CUDA
+graphs (``EngineOverhead.cuda_graphs``) the captured size T is padded to (vLLM's sizes: 1,
+2, 4, then multiples of 8 to 256, of 16 to 512; its decode-only steps replay whole-step
+graphs, mixed ones piecewise graphs around attention, both padded). A step with no tokens
+costs only its swaps and copies.
 
 With expert parallelism (``expert_parallel``, vLLM's ``--enable-expert-parallel``) over
 ``ep = tp·dp`` ranks each rank holds E/ep whole experts and computes their share of the
@@ -288,7 +289,7 @@ class CostModel:
         if num_decodes:
             attention += (decode_context + num_decodes * self._decode_pad) * self._t_decode_token
         gemm, experts, norm, rope, act, res, emb, ar = self._token_terms(
-            tokens if chunks else self._graph_tokens(tokens))
+            self._graph_tokens(tokens))
         lm_head, sampling = self._seq_terms(seqs)
         return (
             gemm + experts + norm + rope + act + res + emb + ar + lm_head + sampling
@@ -296,8 +297,8 @@ class CostModel:
         )
 
     def _graph_tokens(self, tokens: int) -> int:
-        """The batch a decode-only step of ``tokens`` runs at: its CUDA graph's captured
-        size when the engine replays graphs, else ``tokens``."""
+        """The batch a step of ``tokens`` runs at: its CUDA graph's captured size when the
+        engine replays graphs (up to the largest), else ``tokens``."""
         if not self.overhead.cuda_graphs or tokens > CUDA_GRAPH_SIZES[-1]:
             return tokens
         return CUDA_GRAPH_SIZES[bisect.bisect_left(CUDA_GRAPH_SIZES, tokens)]
@@ -318,8 +319,7 @@ class CostModel:
             seqs = num_decodes + len(chunks)
             names = ("gemm", "experts", "norm", "rope", "activation", "residual", "embedding",
                      "allreduce")
-            padded = tokens if chunks else self._graph_tokens(tokens)
-            parts.update(zip(names, self._token_terms(padded), strict=True))
+            parts.update(zip(names, self._token_terms(self._graph_tokens(tokens)), strict=True))
             parts["lm_head"], parts["sampling"] = self._seq_terms(seqs)
             parts["attention_prefill"] = sum(self._chunk(c, p) for c, p in chunks)
             parts["attention_decode"] = (
