@@ -364,3 +364,13 @@ def test_simulate_workload_errors_are_one_line_and_exit_2(tmp_path, capsys, extr
     rc = main(["simulate", "--workload", str(config), "--model", "smollm2-135m", *extra])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_config_asking_for_too_many_requests_is_refused() -> None:
+    from kvloop.sim.inference_perf import MAX_REQUESTS, workload_from_config
+
+    config = {"data": {"type": "random", "input_distribution": {"mean": 10},
+                       "output_distribution": {"mean": 10}},
+              "load": {"type": "constant", "stages": [{"rate": 1e6, "duration": 600}]}}
+    with pytest.raises(ValueError, match=f"at most {MAX_REQUESTS:,}"):
+        workload_from_config(config)

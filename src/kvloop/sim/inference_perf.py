@@ -42,6 +42,9 @@ __all__ = ["Stage", "StagedWorkload", "load_inference_perf", "workload_from_conf
 _ALIASES = {"num_unique_system_prompts": "num_groups",
             "num_users_per_system_prompt": "num_prompts_per_group"}
 """inference-perf's older names of the shared-prefix fields -> the current ones."""
+MAX_REQUESTS = 5_000_000
+"""Most requests a config may ask for (rate x duration over its stages): a typo in a rate
+should be an error, not an hour of building requests."""
 _TOKEN_BASE = 1_000
 """Synthetic token ids start here (ids below are left to special tokens)."""
 
@@ -172,6 +175,11 @@ def _arrivals(stages: list[Stage], kind: str, rng: random.Random, where: str
     """(arrival time, stage index) of every request, in time order."""
     if kind not in ("constant", "poisson"):
         raise ValueError(f"{where}: load.type {kind!r} is not supported: constant or poisson")
+    expected = sum(s.rate * s.duration_s for s in stages)
+    if expected > MAX_REQUESTS:
+        raise ValueError(f"{where}: the load stages ask for about {expected:,.0f} requests; "
+                         f"the simulator takes at most {MAX_REQUESTS:,} (lower a rate or a "
+                         "duration)")
     out = []
     for k, s in enumerate(stages):
         if kind == "constant":
