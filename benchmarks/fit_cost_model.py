@@ -108,7 +108,7 @@ SMALL_OPS = ("norm", "rope", "activation", "residual", "embedding")
 VLLM_BATCH1 = {"gpu": "h100", "tpot_s": 6.48e-3, "context": 1024}
 # vLLM's server time outside the engine loop (HTTP, tokenization, hand-over to the engine
 # core, detokenization, streaming): the one constant fitted to measured serving runs, the
-# H100 development set's (benchmarks/sim_validate_h100.py refits it and reports its
+# H100 development set's (benchmarks/sim_validate_vllm.py refits it and reports its
 # leave-one-model-out error: the median of measured minus simulated TTFT p50).
 VLLM_FRONTEND_S = 6.6e-3
 # Cross-check (not fitted): ~75 tok/s batch-1 on an A100-40GB (1,555 GB/s), vLLM 0.23
