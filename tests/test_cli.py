@@ -127,3 +127,29 @@ def test_model_flags_reach_engine_args():
     args = engine_args_from(p.parse_args(["--skip-tokenizer-init", "--max-num-seqs", "3"]))
     assert args.skip_tokenizer_init is True and args.max_num_seqs == 3
     assert engine_args_from(p.parse_args([])).skip_tokenizer_init is False
+
+
+def test_data_and_expert_parallel_flags(tmp_path, capsys):
+    """A mixture-of-experts config from a file, its experts spread over 4 data-parallel
+    ranks: 4 replicas run, the JSON says how, and EP without experts is a one-line error."""
+    cfg = tmp_path / "Mixtral-8x7B.json"
+    cfg.write_text(json.dumps({
+        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 32000}))
+    out = tmp_path / "o.json"
+    rc = main(["simulate", "--model", str(cfg), "--gpu", "h100", "-tp", "1", "-dp", "4",
+               "--enable-expert-parallel", "--num-requests", "80", "--request-rate", "8",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "4 data-parallel ranks of Mixtral-8x7B on h100" in text
+    m = json.loads(out.read_text())
+    assert m["completed"] == 80 and m["config"]["data_parallel_size"] == 4
+    assert m["config"]["expert_parallel"] is True
+    rc = main(["simulate", "--model", "llama-3.1-8b", "--enable-expert-parallel",
+               "--num-requests", "10"])
+    assert rc == 2 and "expert parallelism needs a mixture-of-experts model" in (
+        capsys.readouterr().err)
+    rc = main(["simulate", "-dp", "2", "--replicas", "2", "--num-requests", "10"])
+    assert rc == 2 and "not with --replicas" in capsys.readouterr().err

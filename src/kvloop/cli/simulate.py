@@ -64,6 +64,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: h100; not with --calibration)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs per replica (default: %(default)s)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data-parallel ranks, each an engine with its own batch (vLLM's "
+                   "flag): simulated as that many replicas behind --router; with "
+                   "--enable-expert-parallel their MoE layers share the experts (default: 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="spread a mixture-of-experts model's experts whole over the "
+                   "tensor x data parallel ranks, as vLLM's flag does (default: split every "
+                   "expert by tensor parallelism)")
     p.add_argument("--engine-overhead", default=None, metavar="NAME|SECONDS",
                    help="per-step engine cost: vllm (default with --gpu), kvloop, none, or "
                    "seconds per step (default with --calibration: the measured one)")
@@ -119,14 +127,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def build_configs(
-    ea: EngineArgs, model: ModelSpec, hw: HardwareSpec, tp: int
+    ea: EngineArgs, model: ModelSpec, hw: HardwareSpec, tp: int, ep: int = 1
 ) -> tuple[SchedulerConfig, CacheConfig]:
     """The configs ``EngineArgs`` derives for the engine; the simulated device supplies what
-    the model runner would: the model's length limit and the KV block counts."""
+    the model runner would: the model's length limit and the KV block counts (``ep``: the
+    ranks the experts are spread over)."""
     gpu_blocks = ea.num_gpu_blocks
     if gpu_blocks is None:
         gpu_blocks = num_gpu_blocks(model, hw, block_size=ea.block_size, tp=tp,
-                                    gpu_memory_utilization=ea.gpu_memory_utilization)
+                                    gpu_memory_utilization=ea.gpu_memory_utilization, ep=ep)
     cpu_blocks = num_cpu_blocks(model, block_size=ea.block_size, tp=tp,
                                 swap_space_gib=ea.swap_space)
     max_len = ea.max_model_len or model.max_position_embeddings
@@ -203,9 +212,10 @@ def build_cost_model(
     if cal is not None:
         if args.gpu is not None:
             raise ValueError("--gpu and --calibration both name the device: give one")
-        if tp != 1:
+        if tp != 1 or args.data_parallel_size != 1 or args.enable_expert_parallel:
             raise ValueError("a calibration measures one device: --tensor-parallel-size "
-                             "must be 1 with --calibration")
+                             "must be 1 with --calibration (and no --data-parallel-size or "
+                             "--enable-expert-parallel)")
         overhead = (engine_overhead(args.engine_overhead) if args.engine_overhead
                     else cal.overhead)
         cost = cal.cost_model(model, tp, overhead)
@@ -215,7 +225,8 @@ def build_cost_model(
                       f"{name} engine overhead")
     hw = get_hardware_spec(args.gpu or "h100")
     overhead = engine_overhead(args.engine_overhead or "vllm")
-    cost = CostModel(model, hw, tp=tp, overhead=overhead)
+    cost = CostModel(model, hw, tp=tp, overhead=overhead, dp=args.data_parallel_size,
+                     expert_parallel=args.enable_expert_parallel)
     name = args.engine_overhead or "vllm"
     return cost, f"{hw.name}, {cost.efficiency.source.split(' (')[0]}; {name} engine overhead"
 
@@ -236,8 +247,13 @@ def check_cluster_args(args: argparse.Namespace) -> None:
     (one JSONL stream records one scheduler's steps)."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.replicas > 1:
+        raise ValueError("--data-parallel-size runs that many replicas already: not with "
+                         "--replicas")
     check_router(args.router, "--router")
-    if args.replicas > 1 and args.trace_out:
+    if max(args.replicas, args.data_parallel_size) > 1 and args.trace_out:
         raise ValueError("--trace-out records one replica's steps: not with --replicas > 1")
 
 
@@ -260,14 +276,15 @@ def run(args: argparse.Namespace) -> int:
         # NOTE: the profiled runner's KV budget in bytes, in blocks of this model.
         budget = cal.num_gpu_blocks * cal.model.kv_block_bytes(cal.block_size)
         ea = replace(ea, num_gpu_blocks=max(1, budget // model.kv_block_bytes(ea.block_size, tp)))
-    sched, cache = build_configs(ea, model, hw, tp)
+    sched, cache = build_configs(ea, model, hw, tp, cost.ep)
     if cost.tables is not None:
         warn_beyond(cost.tables, sched)
     workload = build_workload(args, staged)
     check_fits(workload, sched, cache)
     progress = not args.no_progress and sys.stderr.isatty()
-    if args.replicas > 1:
-        result = simulate_cluster(workload, sched, cache, cost, num_replicas=args.replicas,
+    replicas = max(args.replicas, args.data_parallel_size)
+    if replicas > 1:
+        result = simulate_cluster(workload, sched, cache, cost, num_replicas=replicas,
                                   router=args.router, progress=progress)
     else:
         sink = open(args.trace_out, "w") if args.trace_out else None  # noqa: SIM115
@@ -281,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
     m = result.metrics
     m["config"] = {
         "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "expert_parallel": args.enable_expert_parallel,
         "cost_model": basis, "efficiency_source": cost.efficiency.source,
         "engine_overhead": vars(cost.overhead),
         "trace": args.trace, "workload": args.workload, "num_requests": len(workload),
@@ -293,12 +312,13 @@ def run(args: argparse.Namespace) -> int:
                   f"{len(staged.stages)} stages)")
     else:
         source = args.trace or "a synthetic workload"
-    fleet = f"{args.replicas} replicas of " if args.replicas > 1 else ""
+    fleet = (f"{replicas} data-parallel ranks of " if args.data_parallel_size > 1 else
+             f"{replicas} replicas of " if replicas > 1 else "")
     print(f"kvloop simulate: {fleet}{model.name} on {hw.name}{f' × {tp}' if tp > 1 else ''}, "
           f"{len(workload)} requests from {source}"
-          f"{f', routed {args.router}' if args.replicas > 1 else ''}")
+          f"{f', routed {args.router}' if replicas > 1 else ''}")
     print(f"cost model: {basis}: {cost.overhead.describe()}")
-    if args.replicas > 1:
+    if replicas > 1:
         print(format_cluster(m, result.wall_time_s))
     else:
         extra = scheduler_rows(m["scheduler"]) | {

@@ -233,9 +233,15 @@ class EngineOverhead:
 
     def describe(self) -> str:
         """The three figures in one line and one unit, e.g. ``2820.0 µs/step + 154.1
-        µs/request`` (the per-token figure when it is not 0)."""
+        µs/request`` (the per-token figure when it is not 0), then the engine's behaviours
+        that are on (CUDA graphs, async scheduling, frontend time)."""
         text = f"{self.step_s * 1e6:.1f} µs/step + {self.seq_s * 1e6:.1f} µs/request"
-        return text + (f" + {self.token_s * 1e6:.1f} µs/token" if self.token_s else "")
+        text += f" + {self.token_s * 1e6:.1f} µs/token" if self.token_s else ""
+        behaviour = [name for name, on in (("CUDA graphs", self.cuda_graphs),
+                                           ("async scheduling", self.async_scheduling)) if on]
+        if self.frontend_s:
+            behaviour.append(f"frontend {self.frontend_s * 1e3:.1f} ms")
+        return text + (f" ({', '.join(behaviour)})" if behaviour else "")
 
 
 @cache

@@ -442,6 +442,8 @@ def readable_model_name(spec: ModelSpec, config_path: Path, cfg: dict[str, Any])
     """What to call the model of ``config_path``: its folder's name, or for a kvloop GGUF
     conversion (a folder named by a hash) its kind and size, e.g. ``llama 135M (converted
     GGUF bad8a3c4)``."""
+    if config_path.name != "config.json":  # NOTE: a config file named after its model
+        return config_path.stem
     folder = config_path.resolve().parent.name
     if not _CONVERTED_FOLDER.fullmatch(folder):
         return folder
