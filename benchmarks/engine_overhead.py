@@ -19,16 +19,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from kvloop.engine.loop_timing import engine_loop_time
 from kvloop.engine.model_source import resolve_model
 from kvloop.engine.tokenizer import Tokenizer
 from kvloop.executor.simulated.fitting import fit_nonnegative
 from kvloop.executor.torch.model_runner import TorchModelRunner
-from kvloop.executor.torch.profiler import (
-    Profiler,
-    ProfileSettings,
-    device_name,
-    engine_loop_time,
-)
+from kvloop.executor.torch.profiler import Profiler, ProfileSettings, device_name
 
 BATCHES = [1, 8, 32, 128, 256]
 

@@ -79,3 +79,25 @@ def test_nothing_below_the_command_line_imports_it():
     bad = sorted(m for m in below if any(d.partition(".cli")[1] and d.startswith("kvloop.cli")
                                          for d in graph[m]))
     assert not bad, f"import kvloop.cli from below it: {bad}"
+
+
+LAYERS = ["kvloop.errors", "kvloop.paths", "kvloop.config", "kvloop.sampling_params",
+          "kvloop.core", "kvloop.executor", "kvloop.engine", "kvloop.server", "kvloop.cluster",
+          "kvloop.sim", "kvloop.bench", "kvloop.viz", "kvloop.cli"]
+"""ARCHITECTURE.md's layers, lowest first (the routers of ``kvloop.cluster`` serve both the
+Ray deployment and the cluster simulator, so they sit below ``kvloop.sim``)."""
+
+
+def _layer(module: str) -> int | None:
+    found = None
+    for i, prefix in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            found = i
+    return found
+
+
+def test_no_module_imports_a_layer_above_it():
+    graph = _imports(_modules(), top_level_only=False)
+    bad = sorted((m, d) for m, deps in graph.items() for d in deps
+                 if (lm := _layer(m)) is not None and (ld := _layer(d)) is not None and ld > lm)
+    assert not bad, f"imports that go up a layer: {bad}"

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.is_dir():
         raise ValueError(f"--output {out} is a directory; give a file path")
+    from kvloop.engine.loop_timing import engine_loop_time
     from kvloop.engine.model_source import resolve_model
     from kvloop.engine.tokenizer import Tokenizer
     from kvloop.executor.simulated.fitting import fit_calibration
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     m = new_measurements(runner, bandwidth)
     say(f"{m.device_name}, {m.dtype}: {bandwidth / 1e9:.1f} GB/s streaming copy "
         f"(repeats {spread:.0%} apart)")
-    items = plan(runner, settings, m, tokenizer)
+    items = plan(runner, settings, m, lambda b: engine_loop_time(
+        b, settings.engine_steps, tokenizer, runner.block_size))
     # NOTE: a bar on a terminal; in a log (stderr not a TTY) one plain line per item, so a
     # run of minutes is never silent.
     tty = sys.stderr.isatty()

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from kvloop.engine.gguf_convert import convert_gguf_into
+from kvloop.paths import cache_dir
 
 logger = logging.getLogger("kvloop.engine")
 
@@ -82,14 +83,6 @@ def default_gguf_path() -> Path:
             if path.is_file():
                 return path
     raise DefaultModelNotInstalledError()
-
-
-def cache_dir() -> Path:
-    """``$KVLOOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvloop``, else ``~/.cache/kvloop``."""
-    if env := os.environ.get("KVLOOP_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvloop"
 
 
 def converted_path(gguf_path: Path) -> Path:

@@ -289,7 +289,7 @@ def _cache_key(folder: Path) -> str | None:
 
 
 def _record_path(key: str) -> Path:
-    from kvloop.engine.model_source import cache_dir
+    from kvloop.paths import cache_dir
 
     return cache_dir() / "tokenizers" / f"{key}.json"
 

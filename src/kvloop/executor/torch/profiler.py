@@ -11,7 +11,8 @@ What is timed (each the mean of a few runs after a warm-up; CUDA synchronised):
    (B requests over spread contexts) and prefill chunks (c tokens after p cached);
 5. whole ``TorchModelRunner.execute`` steps (decode batches and mixed steps): what they
    cost beyond 1-4 is the runner's own per-step work;
-6. the engine loop (scheduler + ``LLMEngine.step`` output handling) over a null executor.
+6. the engine loop (scheduler + ``LLMEngine.step`` output handling) over a null executor,
+   timed by the caller's ``engine_loop`` (``kvloop.engine.loop_timing``).
 
 :func:`fit_calibration` turns these into a :class:`Calibration` (``kvloop.executor.
 simulated.calibration``): 1 and 3 become its tables, 2 a fitted GEMM curve, 4 a fitted
@@ -28,18 +29,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.interface import (
     CachedRequestData,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from kvloop.core.scheduler import Scheduler
 from kvloop.executor.simulated.calibration import Measurements
 from kvloop.executor.torch.attention import build_metadata, paged_attention, write_kv
 from kvloop.executor.torch.linear import Linear, logits
@@ -320,42 +317,14 @@ class Profiler:
                       for _ in range(n))
 
 
-class _NullExecutor:
-    """Samples token 3 for every scheduled request, instantly."""
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return ModelRunnerOutput(dict.fromkeys(out.num_scheduled_tokens, (3,)), 0.0)
-
-
-def engine_loop_time(batch: int, steps: int, tokenizer: Any | None, block_size: int) -> float:
-    """Mean seconds of one ``LLMEngine.step`` with ``batch`` running decodes over a null
-    executor: the scheduler and the engine's output handling, nothing else."""
-    from kvloop.engine.llm_engine import LLMEngine
-
-    sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max(2048, batch), max_num_seqs=batch,
-                        max_model_len=4096),
-        CacheConfig(block_size=block_size, num_gpu_blocks=batch * (4096 // block_size + 1)),
-    )
-    engine = LLMEngine(sched, _NullExecutor(), tokenizer=tokenizer, vocab_size=None)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"e{i}", list(range(3, 67)), params)
-    engine.step()  # the prefill step
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return robust_mean(times)
-
-
 def plan(
     runner: TorchModelRunner, settings: ProfileSettings, m: Measurements,
-    tokenizer: Any | None = None,
+    engine_loop: Callable[[int], float] | None = None,
 ) -> list[tuple[str, Callable[[], None]]]:
     """The measurements of the module docstring as (label, action) pairs; each action
-    appends its result to ``m``."""
+    appends its result to ``m``. ``engine_loop(batch)`` times the engine loop over a null
+    executor (``kvloop.engine.loop_timing``: the engine sits above this layer, so the
+    caller passes it); None leaves that item out."""
     prof = Profiler(runner, settings)
     max_t, max_s = settings.max_num_batched_tokens, settings.max_num_seqs
     items: list[tuple[str, Callable[[], None]]] = []
@@ -409,10 +378,10 @@ def plan(
             chunk_label = "".join(f" + a {c}-token chunk" + (f" after {p}" if p else "")
                                   for c, p in chunks)
             add(f"runner step, {b} decodes of ~{base} tokens{chunk_label}", step)
-    for b in [b for b in (1, 16, 64) if b <= max_s]:
+    for b in [b for b in (1, 16, 64) if b <= max_s and engine_loop is not None]:
+        assert engine_loop is not None
         add(f"engine loop, {b} requests",
-            lambda b=b: m.engine_loop.append(
-                (b, engine_loop_time(b, settings.engine_steps, tokenizer, runner.block_size))))
+            lambda b=b: m.engine_loop.append((b, engine_loop(b))))
     return items
 
 

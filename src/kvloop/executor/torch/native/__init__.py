@@ -172,7 +172,7 @@ def _build_and_load(build_spec: Build) -> ModuleType:
     one reinstalled or upgraded)."""
     from torch.utils.cpp_extension import load  # NOTE: slow import, only when needed
 
-    from kvloop.engine.model_source import cache_dir
+    from kvloop.paths import cache_dir
 
     here = Path(__file__).parent
     digest = hashlib.sha256(" ".join(build_spec.cflags).encode())
