@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvloop.cli import simulate
+from kvloop.cli.parser import KvloopParser, run_command
 from kvloop.cli.sweep_grid import MAX_CONFIGS, Config, Sweep, build_sweep
 from kvloop.viz.pareto import mark_pareto
 
@@ -79,14 +81,15 @@ def run_config(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     """The body of one Ray task: ``kvloop simulate ARGV --json FILE --no-progress``
     in-process, its output swallowed; the JSON it wrote and its warning lines.
     ``RuntimeError`` with simulate's error line when it fails."""
-    from kvloop.cli.main import main  # NOTE: main imports this module
-
+    parser = KvloopParser(prog="kvloop")
+    simulate.register(parser.add_subparsers(dest="command", required=True))
     out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryDirectory(prefix="kvloop-sweep-") as tmp:
         path = os.path.join(tmp, "metrics.json")
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                rc = main(["simulate", *argv, "--json", path, "--no-progress"])
+                rc = run_command(parser, ["simulate", *argv, "--json", path,
+                                          "--no-progress"])
             except SystemExit as exc:  # argparse; the driver checked, so unlikely
                 rc = exc.code if isinstance(exc.code, int) else 2
         lines = err.getvalue().strip().splitlines()

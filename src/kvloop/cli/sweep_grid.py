@@ -10,6 +10,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from kvloop.cli.parser import KvloopParser
 from kvloop.cli.simulate import check_cluster_args
 from kvloop.cli.simulate import register as register_simulate
 
@@ -47,8 +48,6 @@ class _Refused(Exception):
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """A ``kvloop`` parser with only ``simulate``, built as ``kvloop.cli.main`` builds it but
     raising ``_Refused`` where it would print usage and exit; and its ``simulate`` parser."""
-    from kvloop.cli.main import KvloopParser  # NOTE: lazily: main imports this module
-
     class Checking(KvloopParser):
         def error(self, message: str):  # type: ignore[override]
             raise _Refused(message)
