@@ -18,7 +18,7 @@ about 0.01 s per s of arrivals, half the simulator's overload threshold (0.02,
 
 Reported per run: the cluster's prefix-cache hit rate (hit tokens / looked-up tokens, summed
 over replicas), TTFT p50/p99, output token throughput, load imbalance (max/mean of the
-replicas' busy time) and queue growth. The issue's target: ``kv-aware`` reaches >= 1.5x the
+replicas' busy time) and queue growth. The target: ``kv-aware`` reaches >= 1.5x the
 hit rate of ``round-robin`` on Mooncake at 8 replicas, with p99 TTFT no worse than
 ``least-loaded``'s.
 
@@ -132,7 +132,7 @@ def table(rows: list[dict[str, Any]], trace: str) -> str:
 
 
 def target(rows: list[dict[str, Any]]) -> tuple[str, bool | None]:
-    """The issue's target on Mooncake at 8 replicas (of ``rows``, one load): a sentence and
+    """The target on Mooncake at 8 replicas (of ``rows``, one load): a sentence and
     whether it holds."""
     cell = {r["router"]: r for r in rows if r["trace"] == "mooncake" and r["replicas"] == 8}
     if not {"round-robin", "least-loaded", "kv-aware"} <= cell.keys():

@@ -36,7 +36,7 @@ Engines (each loads its model untimed and runs one short warm-up first):
 
 Then the ceiling. FLOPs per token come from the model config (2 × non-embedding matmul
 params + 2 × the LM head, ~0.27 GFLOP here). The naive ceiling divides the hot-cache fp32
-``torch.mm`` rate (one layer's weights reused call after call) by it: the issue's "~700
+``torch.mm`` rate (one layer's weights reused call after call) by it: the "~700
 tok/s". But a real forward pass streams every layer's weights (~425 MB fp32) from memory, so
 the script also times one pass's matmuls with 30 distinct layers at M = 1 ... 1024 tokens,
 and from those a floor per workload: the matmuls alone of kvloop's kind of schedule
@@ -451,7 +451,7 @@ def _time_fn(fn: Callable[[], object], min_s: float = 0.6, batches: int = 20) ->
 
 def measure_gemm(cost: ModelCost, device: str) -> dict[str, float]:
     """fp32 GFLOP/s of torch.mm at the model's shapes, the weights hot in cache (one matrix
-    or one layer's four, reused call after call): what the issue's ~200 GFLOP/s means."""
+    or one layer's four, reused call after call): what ~200 GFLOP/s means."""
     out: dict[str, float] = {}
     h = cost.hidden
     gen = torch.Generator().manual_seed(0)
@@ -722,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16"),
-        help="weights and activations of every engine (float32: the issue's figures)",
+        help="weights and activations of every engine (float32: the targets' figures)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=20, help="rows per profile table")
@@ -886,7 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_ceiling = hot * 1e9 / cost.per_token
     print(
         f"-> naive ceiling {hot:.0f} GFLOP/s / {cost.per_token / 1e9:.3f} GFLOP = "
-        f"{decode_ceiling:.0f} tok/s (the issue's ~700: every token at hot-cache GEMM speed)"
+        f"{decode_ceiling:.0f} tok/s (~700: every token at hot-cache GEMM speed)"
     )
     weights_mb = 4 * cost.layers * sum(k * n for k, n in cost.layer_shapes) / 1e6
     print(

@@ -26,7 +26,7 @@ arrive; ``kvloop.sim.metrics``); the heavy share is ``t0``'s share of all servic
 
 Writes ``docs/policies.md`` (tables, targets; text after the ``HAND-WRITTEN`` marker is
 kept), ``docs/img/policies_goodput.png`` and ``docs/img/policies_tenants.png``, and prints
-the tables and the issue's targets with whether each holds.
+the tables and the targets with whether each holds.
 
     python benchmarks/policies.py [--requests 1500] [--workers 2] [--quick] [--json PATH]
         [--no-docs]
@@ -247,7 +247,7 @@ def demand_jain(base: list[WorkloadRequest]) -> float | None:
 
 
 def targets(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, bool]]:
-    """The issue's three targets: lines of evidence and whether each holds."""
+    """The three targets: lines of evidence and whether each holds."""
     lines, verdict = [], {}
     top = max(LOADS)
     # 1. slo goodput >= 1.5x fcfs at the top load on >= 3 of 4 traces
