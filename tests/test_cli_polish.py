@@ -59,7 +59,7 @@ def test_no_parser_takes_abbreviations() -> None:
 def test_a_prefix_is_an_unknown_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
                                      prog: str) -> None:
     err = _fails(capsys, *argv)
-    last = err.strip().splitlines()[-1]
+    last = err.strip().splitlines()[0]
     assert last.startswith(f"{prog}: error: unrecognized arguments: {argv[-2]} 2")
     if argv[-2] == "--rate":  # the flags abbreviation would have picked, and a near one
         assert "(did you mean --rate-scale or --request-rate?)" in last
@@ -77,26 +77,29 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     ["generate", "--prompt", "hi", "--temp", "0"],
     ["trace", "plot", "steps.jsonl", "--bogus=1"],
     ["profile", "--prot", "3"],
+    ["generate", "--prompt", "hi", "--temperature", "hot"],
+    ["generate", "--prompt", "hi", "--dtype", "fp16"],
 ])
-def test_unknown_flag_prints_the_subcommand_usage(capsys: pytest.CaptureFixture[str],
-                                                  argv: list[str]) -> None:
+def test_bad_flags_print_two_lines_not_the_usage(capsys: pytest.CaptureFixture[str],
+                                                 argv: list[str]) -> None:
     err = _fails(capsys, *argv)
     prog = "kvloop " + " ".join(a for a in argv[:2] if a in ("serve", "generate", "trace",
                                                                "plot", "profile"))
     lines = err.strip().splitlines()
-    assert lines[0].startswith(f"usage: {prog} ")
-    assert "COMMAND" not in err  # not the top-level usage
-    errors = [line for line in lines if "error:" in line]
-    assert errors == [lines[-1]]
-    assert lines[-1].startswith(f"{prog}: error: unrecognized arguments: ")
-    assert "Traceback" not in err
+    assert len(lines) == 2, err
+    assert lines[0].startswith(f"{prog}: error: ")
+    assert argv[-1].split("=")[0] in lines[0]  # the flag (and the value)
+    assert lines[1] == f"(run '{prog} --help' for every flag and its choices)"
+    assert "usage:" not in err and "Traceback" not in err
+    if argv[-1] == "fp16":
+        assert "'bfloat16'" in lines[0]  # the choices
 
 
 def test_unknown_flag_hints() -> None:
     text = subprocess.run([sys.executable, "-m", "kvloop.cli", "generate", "--prompt", "x",
                            "--temp", "0"], capture_output=True, text=True)
     assert text.returncode == 2
-    assert text.stderr.strip().splitlines()[-1] == (
+    assert text.stderr.strip().splitlines()[0] == (
         "kvloop generate: error: unrecognized arguments: --temp 0 (did you mean "
         "--temperature?)")
 
@@ -131,10 +134,10 @@ def test_size_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert size_gib("0") == 0.0
     for argv, flag in ((["serve", "--kv-cache-memory", "1GX"], "--kv-cache-memory"),
                        (["serve", "--swap-space", "lots"], "--swap-space")):
-        line = _fails(capsys, *argv).strip().splitlines()[-1]
+        line = _fails(capsys, *argv).strip().splitlines()[0]
         assert line.startswith(f"kvloop serve: error: argument {flag}: bad size ")
         assert "512MiB" in line
-    line = _fails(capsys, "serve", "--kv-cache-memory", "0").strip().splitlines()[-1]
+    line = _fails(capsys, "serve", "--kv-cache-memory", "0").strip().splitlines()[0]
     assert "must be at least 1 byte" in line
 
 

@@ -4,8 +4,9 @@ through the same).
 
 Bad input (an unknown preset, a malformed trace, an impossible config) prints one line,
 ``kvloop: error: ...``, and exits with code 2; never a traceback. A flag argparse does not
-know prints the usage of the (sub)command it was given to, then one error line (with the
-closest flags it does know), and exits 2. Flags are never abbreviated.
+know, or a value a flag refuses, prints the same one line (naming the closest flags it does
+know, or the value and the choices) and a hint to the (sub)command's ``--help``, never the
+usage block, and exits 2. Flags are never abbreviated.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class KvloopParser(argparse.ArgumentParser):
         if extras:
             parser.unknown(extras)
         return ns
+
+    def error(self, message: str) -> NoReturn:
+        """Exit 2 with one line naming the problem and one pointing at ``--help``; argparse's
+        own ``error`` prints the whole usage block first, which buries the line that matters."""
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"(run '{self.prog} --help' for every flag and its choices)\n")
 
     def unknown(self, extras: list[str]) -> NoReturn:
         """Exit 2 on unrecognized arguments, naming the closest known flags."""
