@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvloop.cli import main
-from kvloop.cli.sweep import format_rows, make_row
+from kvloop.cli.sweep import format_rows, format_warnings, make_row
 from kvloop.cli.sweep_grid import Config, build_sweep
 from kvloop.viz import pareto
 from kvloop.viz.pareto import Panel, mark_pareto, pareto_figure, pareto_mask
@@ -136,6 +136,21 @@ def test_the_console_table_shows_each_quantity_once() -> None:
     assert head.count("replicas") == 1 and head.index("replicas") > head.index("preempt")
     assert len(set(head)) == len(head)
     assert not {"num_replicas", "prefix_cache_hit_rate"} & set(head)
+
+
+def test_warnings_are_printed_once_each_with_their_rows() -> None:
+    sweep = build_sweep(["seed=1,2,3"], ["--num-requests", "5"])
+    said = [["overloaded: x"], [], ["overloaded: x", "slow: y"]]
+    rows = [make_row(c, _metrics(1, 100.0, 0.0), w)
+            for c, w in zip(sweep.configs, said, strict=True)]
+    assert format_warnings(rows) == ["warning (#1 #3): overloaded: x", "warning (#3): slow: y"]
+    assert format_warnings(rows[1:2]) == []
+
+
+def test_throughput_axes_start_at_zero() -> None:
+    xs, ys = [1.0, 2.0, 3.0], [707.1, 710.8, 713.3]  # a 1% spread must not look large
+    fig = pareto_figure([Panel(xs, ys, "x", "y", "t")], ["a", "b", "c"])
+    assert fig.axes[0].get_ylim()[0] == 0.0
 
 
 def test_every_pareto_point_is_marked_and_keyed() -> None:

@@ -117,3 +117,17 @@ def test_cli_says_overloaded_only_when_it_is(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "all at once" in text and "overloaded" not in text
     assert math.isfinite(json.loads(out.read_text())["load"]["arrival_rate"])
+
+
+def test_no_rate_from_a_handful_of_arrivals_or_a_blink():
+    pair = [_Req(0.0, 0.0, 1.0, token_times=[1.0]), _Req(1e-4, 1e-4, 1.0, token_times=[1.0])]
+    load = load_summary(pair, busy_time=1.0, duration=1.0)
+    assert load["arrival_rate"] is None  # not 10,000 req/s
+    assert load_rows(load)["Arrival rate (req/s)"] == (
+        "- (2 arrivals over 0.0001 s: too few for a rate)")
+    blink = [_Req(0.01 * k, 0.01 * k, 1.0, token_times=[1.0]) for k in range(50)]
+    assert load_summary(blink, busy_time=1.0, duration=1.0)["arrival_rate"] is None
+    spread = [_Req(0.5 * k, 0.5 * k, 0.5 * k + 0.1, token_times=[0.5 * k + 0.1])
+              for k in range(5)]
+    assert load_summary(spread, busy_time=1.0, duration=2.1)["arrival_rate"] == (
+        pytest.approx(2.0))

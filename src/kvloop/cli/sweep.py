@@ -246,6 +246,16 @@ def format_rows(sweep: Sweep, rows: list[dict[str, Any]]) -> str:
                       + (f"  {line[-1]}" if line[-1] else "")).rstrip() for line in table)
 
 
+def format_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct warning, naming the ``#`` of every configuration that gave it
+    (the CSV's and JSON's ``warnings`` column keeps them per row)."""
+    warned: dict[str, list[str]] = {}
+    for number, row in enumerate(rows, 1):
+        for text in filter(None, row["warnings"].split(" | ")):
+            warned.setdefault(text, []).append(f"#{number}")
+    return [f"warning ({' '.join(numbers)}): {text}" for text, numbers in warned.items()]
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Refuse a ``[ray://]HOST:PORT`` that takes no connection (Ray itself would retry for
     minutes); names such as ``auto`` are left to Ray."""
@@ -290,9 +300,12 @@ def run(args: argparse.Namespace) -> int:
     plotted = _plot(sweep, rows, f"{prefix}.png")
     print(format_rows(sweep, rows))
     failed = sum(1 for row in rows if row["error"])
-    warned = sum(1 for row in rows if row["warnings"])
+    for line in format_warnings(rows):
+        print(line)
+    n_warned = sum(1 for row in rows if row["warnings"])
     print(f"kvloop sweep: {len(rows)} configurations, {failed} failed"
-          + (f", {warned} with warnings (their warnings column)" if warned else "")
+          + (f", {n_warned} with warnings (above; the CSV's warnings column)"
+             if n_warned else "")
           + f"; wrote {prefix}.csv, {prefix}.json"
           + (f", {prefix}.png" if plotted else " (no plot: none succeeded)"))
     return 1 if failed else 0

@@ -8,6 +8,10 @@ time *is* the excess ``λ/μ − 1``. :func:`load_summary` fits that slope by le
 over the completed requests and calls the run overloaded when it is at least
 :data:`MIN_EXCESS` (a stable queue has slope ≈ 0).
 
+The arrival rate itself is only reported over at least :data:`MIN_RATE_ARRIVALS`
+arrivals spanning at least :data:`MIN_RATE_SPAN_S`: two requests a millisecond apart have no
+meaningful rate.
+
 It gives no verdict when the arrivals span less than :data:`MIN_SPAN_SERVICES` median
 service times (e2e − queue time) and the queue they built up (slope × span) is shorter
 than one: a short burst that the engine absorbs is not overload. Nor when all requests
@@ -23,11 +27,16 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
-    "MIN_EXCESS", "MIN_REQUESTS", "MIN_SPAN_SERVICES", "load_note", "load_rows", "load_summary",
+    "MIN_EXCESS", "MIN_RATE_ARRIVALS", "MIN_RATE_SPAN_S", "MIN_REQUESTS", "MIN_SPAN_SERVICES",
+    "load_note", "load_rows", "load_summary",
 ]
 
 MIN_EXCESS = 0.02
 """Smallest queue-time slope (seconds of queueing per second of arrivals) called overload."""
+MIN_RATE_ARRIVALS = 5
+"""Fewer arrivals than this report no arrival rate."""
+MIN_RATE_SPAN_S = 1.0
+"""Arrivals spanning less than this many seconds report no arrival rate."""
 MIN_REQUESTS = 10
 """Fewer completed requests than this give no verdict."""
 MIN_SPAN_SERVICES = 2.0
@@ -50,7 +59,8 @@ def load_summary(requests: Iterable[Any], busy_time: float, duration: float) -> 
     ``requests`` are duck-typed like ``kvloop.core.request.Request`` (arrival, first
     scheduled, finished and token times, status); ``busy_time`` is the time the engine spent
     in steps; ``duration`` the summary's first arrival to last completion. Keys:
-    ``num_requests``, ``arrival_span``, ``arrival_rate`` (None when all arrive at once),
+    ``num_requests``, ``arrival_span``, ``arrival_rate`` (None when all arrive at once, or
+    over fewer than :data:`MIN_RATE_ARRIVALS` arrivals or :data:`MIN_RATE_SPAN_S`),
     ``busy_time``, ``utilisation`` (busy / duration), ``queue_growth`` (the slope above; None
     without a verdict), ``overloaded`` (bool or None), ``excess`` (λ/μ − 1 when overloaded)
     and ``service_rate`` (λ / (1 + excess) when overloaded).
@@ -74,7 +84,7 @@ def load_summary(requests: Iterable[Any], busy_time: float, duration: float) -> 
         service.append(last - req.arrival_time - q)
     n = len(arrivals)
     span = max(arrivals) - min(arrivals) if arrivals else 0.0
-    rate = (n - 1) / span if n > 1 and span > 0 else None
+    rate = (n - 1) / span if n >= MIN_RATE_ARRIVALS and span >= MIN_RATE_SPAN_S else None
     out: dict[str, Any] = {
         "num_requests": n,
         "arrival_span": span,
@@ -103,8 +113,15 @@ def load_summary(requests: Iterable[Any], busy_time: float, duration: float) -> 
 def load_rows(load: dict[str, Any]) -> dict[str, str]:
     """The load rows of the metrics table."""
     rate, util, growth = load["arrival_rate"], load["utilisation"], load["queue_growth"]
+    if rate is not None:
+        shown = f"{rate:.2f}"
+    elif load["arrival_span"] == 0:
+        shown = "all at once"
+    else:
+        shown = (f"- ({load['num_requests']} arrivals over {load['arrival_span']:.3g} s: "
+                 "too few for a rate)")
     return {
-        "Arrival rate (req/s)": "all at once" if rate is None else f"{rate:.2f}",
+        "Arrival rate (req/s)": shown,
         "Engine busy (utilisation)": "-" if util is None else f"{100 * util:.1f}%",
         "Queue growth (s per s of arrivals)":
             "-" if growth is None else f"{round(growth, 3) + 0.0:.3f}",  # no "-0.000"
