@@ -246,6 +246,51 @@ def test_max_tokens_check_imports_no_torch(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
 
 
+def _folder_with_tokenizer(root: Path, max_len: int) -> Path:
+    """A model folder holding config.json and a word-level tokenizer (one token per word,
+    a BOS first, a chat template), and no weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "hi", "user", "assistant", ":"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}"
+                          "assistant :")
+    fast.save_pretrained(root)
+    return _model_folder(root, max_position_embeddings=max_len)
+
+
+def test_prompts_checked_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvloop.engine import llm
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the prompt was checked")
+
+    monkeypatch.setattr(llm, "LLM", no_loading)
+    folder = str(_folder_with_tokenizer(tmp_path / "m", max_len=8))
+    for argv, message in [
+        (["--prompt", ""], "--prompt is empty: give the text to continue"),
+        (["--prompt", "hi", "--prompt", "  "], "--prompt 2 is empty"),
+        (["--prompt", "hi " * 8], "--prompt is 8 tokens; with one output token that is more "
+         f"than the 8 tokens the model takes (the model's max_position_embeddings in {folder}"),
+        (["--prompt", "hi " * 4, "--max-tokens", "5"], "--prompt is 4 tokens; with "
+         "--max-tokens 5 that is more than the 8 tokens"),
+        (["--prompt", "hi hi", "--max-model-len", "2"], "--prompt is 2 tokens; with one "
+         "output token that is more than the 2 tokens the model takes (--max-model-len)"),
+        # the chat template's words count: user : hi hi hi hi assistant : is 8
+        (["--chat", "--prompt", "hi hi hi hi"], "--prompt is 8 tokens"),
+    ]:
+        assert main(["generate", "--model", folder, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvloop: error: {message}"), err
+    with pytest.raises(AssertionError, match="was loaded"):  # fits: on to loading
+        main(["generate", "--model", folder, "--chat", "--prompt", "hi hi hi"])
+
+
 def _help_of(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """The help text ``--help`` prints for ``action`` (as formatted, defaults expanded)."""
     formatter = parser._get_formatter()

@@ -289,3 +289,49 @@ def check_max_tokens_early(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--max-tokens {max_tokens} leaves no room for a prompt: a prompt and its output "
             f"fit in {limit} tokens ({origin}); use --max-tokens {limit - 1} or less")
+
+
+def check_prompts_early(args: argparse.Namespace, prompts: list[Any]) -> None:
+    """Refuse a prompt that cannot run before the model loads: an empty one (text without
+    ``--chat``, or token ids), and, when the model's ``config.json`` and tokenizer are on
+    disk (``local_model_config``), one whose tokens (through the chat template with
+    ``--chat``) leave no room for an output token within ``--max-model-len`` or the model's
+    ``max_position_embeddings``, or for ``--max-tokens`` of them. Raises ``ValueError``
+    naming the prompt (``--prompt 2``: the second); silent when the limit is not known yet
+    (the engine checks each request exactly, its KV cache too)."""
+    chat = bool(getattr(args, "chat", False))
+
+    def name(i: int) -> str:
+        return "--prompt" if len(prompts) == 1 else f"--prompt {i + 1}"
+
+    for i, prompt in enumerate(prompts):
+        if not chat and not (prompt.strip() if isinstance(prompt, str) else prompt):
+            raise ValueError(f"{name(i)} is empty: give the text to continue")
+    found = local_model_config(str(getattr(args, "model", "default")))
+    if found is None or getattr(args, "skip_tokenizer_init", False):
+        return
+    config, path = found
+    model_len = config.get("max_position_embeddings")
+    limit = getattr(args, "max_model_len", None) or (
+        model_len if isinstance(model_len, int) and model_len > 0 else None)
+    if limit is None:
+        return
+    try:
+        from kvloop.engine.tokenizer import Tokenizer  # NOTE: tokenizers only, never torch
+
+        tokenizer = Tokenizer(path.parent)
+        system = getattr(args, "system", None)
+        counts = [len(tokenizer.apply_chat_template(
+            [*([{"role": "system", "content": system}] if system else []),
+             {"role": "user", "content": p}]) if chat else tokenizer.encode(p))
+            for p in prompts]
+    except Exception:  # NOTE: the engine reports whatever is wrong with the tokenizer
+        return
+    origin = ("--max-model-len" if getattr(args, "max_model_len", None)
+              else f"the model's max_position_embeddings in {path}")
+    max_tokens = getattr(args, "max_tokens", None) or 1
+    for i, n in enumerate(counts):
+        if n + max_tokens > limit:
+            out = f"--max-tokens {max_tokens}" if max_tokens > 1 else "one output token"
+            raise ValueError(f"{name(i)} is {n} tokens; with {out} that is more than the "
+                             f"{limit} tokens the model takes ({origin})")

@@ -17,7 +17,12 @@ from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import IO, Any
 
-from kvloop.cli.args import add_model_args, check_max_tokens_early, engine_args_from
+from kvloop.cli.args import (
+    add_model_args,
+    check_max_tokens_early,
+    check_prompts_early,
+    engine_args_from,
+)
 from kvloop.engine.generation_config import DEFAULT_MODEL_GENERATION_CONFIG
 from kvloop.sampling_params import SamplingParams
 
@@ -177,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     sampling_params(SamplingParams(), args)  # bad flags fail now, not after loading
     check_max_tokens_early(args)  # NOTE: from config.json, before torch is imported
+    check_prompts_early(args, prompts)
     with status_to_stderr():
         llm = LLM(**vars(ea), trace_out=args.trace_out)
     params = sampling_params(llm.get_default_sampling_params(), args)
