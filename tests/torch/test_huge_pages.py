@@ -137,3 +137,37 @@ def test_huge_page_size_comes_from_linux(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert huge_page_bytes() == huge_pages.DEFAULT_HUGE_PAGE  # nothing said: x86-64's
     (tmp_path / "hpage_pmd_size").write_text("536870912\n")  # an arm64 kernel with 64K pages
     assert huge_page_bytes() == 512 << 20
+
+
+def test_zeroed_cpu_tensor_is_zero_and_keeps_writes_made_while_it_populates() -> None:
+    from kvloop.executor.torch import huge_pages
+
+    shape = (3, 2, 257, 16, 64)  # 3.2 MiB of bfloat16: a few populate calls at 1 MiB
+    original = huge_pages.POPULATE_CHUNK
+    huge_pages.POPULATE_CHUNK = 1 << 20
+    try:
+        t, thread = huge_pages.zeroed_cpu_tensor(shape, torch.bfloat16)
+        assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert int(t.count_nonzero()) == 0
+        t[1, 0, 100:].fill_(1.5)  # written while the thread may still be populating
+        if thread is not None:
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+    finally:
+        huge_pages.POPULATE_CHUNK = original
+    assert bool((t[1, 0, 100:] == 1.5).all())
+    assert int(t.count_nonzero()) == t[1, 0, 100:].numel()
+
+
+def test_the_cpu_kv_pool_is_zero_filled_and_populated() -> None:
+    from kvloop.executor.torch.kv_cache import KVCache
+
+    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16,
+                    num_gpu_blocks=64, num_cpu_blocks=4, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    if cache.populating is not None:
+        cache.populating.join(timeout=30)
+    assert int(cache.gpu.count_nonzero()) == 0
+    assert cache.layers[1].shape == (2, 64, 16, 2, 32)
+    cache.copy([(0, 1)])  # the pool is an ordinary tensor to the copies
+    cache.swap_out([(3, 0)])

@@ -21,13 +21,12 @@ engine thread waiting for it while higher-priority threads take the cores.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvloop.priority import lowest_priority
 from kvloop.server.errors import APIError
 
 T = TypeVar("T")
@@ -102,7 +101,7 @@ class BackgroundEncoder:
         self.tokenizer = tokenizer
         self.token_floor = getattr(tokenizer, "token_floor", None)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kvloop-encode",
-                                            initializer=_lowest_priority)
+                                            initializer=lowest_priority)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= LONG_TEXT_CHARS:
@@ -111,10 +110,3 @@ class BackgroundEncoder:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _lowest_priority() -> None:
-    """Give the calling thread the lowest CPU priority (nice 19). NOTE: Linux only: there a
-    thread's nice value is its own, elsewhere it would be the whole process's."""
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
