@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,3 +19,19 @@ def _native_kernels_built() -> None:
     from kvloop.executor.torch import native
 
     native.kernels()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _token_budget_records_apart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The engines of the tests record their measured token budgets in a folder of this
+    session, not in the user's cache (``executor.torch.budget``)."""
+    if importlib.util.find_spec("torch") is None:
+        yield
+        return
+    from kvloop.executor.torch import budget
+
+    folder = tmp_path_factory.mktemp("token_budgets")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(budget, "records_dir", lambda: folder)
+    yield
+    patch.undo()

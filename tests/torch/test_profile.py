@@ -85,3 +85,23 @@ def test_robust_mean_drops_stalls_but_keeps_slow_runs():
 
     assert robust_mean([1.0, 1.0, 1.0, 1.0, 50.0]) == 1.0  # a stall is not the step's cost
     assert robust_mean([1.0, 1.0, 1.0, 2.0, 2.0]) == 1.4  # a slow run is
+
+
+def test_profile_token_budget_records_what_later_starts_read(llama_model, capsys):
+    from kvloop.engine.args import EngineArgs
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.executor.torch import budget
+
+    argv = ["profile", "--token-budget", "--model", str(llama_model.path), "--device", "cpu",
+            "--dtype", "float32"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("kvloop profile: ") and "measured now" in line
+    recorded = line.rsplit("; recorded in ", 1)[1]
+    assert recorded.startswith(str(budget.records_dir()))
+    chosen = int(line.split()[2])
+    engine = LLMEngine.from_args(EngineArgs(
+        model=str(llama_model.path), dtype="float32", device="cpu", num_gpu_blocks=64,
+        swap_space=0.0, skip_tokenizer_init=True))
+    assert engine.scheduler.config.max_num_batched_tokens == chosen
+    assert "on this machine" in engine.token_budget_note

@@ -39,6 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest decode batch measured (default: %(default)s)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="longest context measured (default: %(default)s)")
+    p.add_argument("--token-budget", action="store_true",
+                   help="only measure the engine's default token budget for this model, "
+                   "--dtype and --quantization on this machine (seconds), and record it for "
+                   "later starts of kvloop generate and serve; best on an idle machine")
+    p.add_argument("--quantization", default=None, choices=["int4", "none"],
+                   help="with --token-budget: the quantization the engine will run (default: "
+                   "none)")
     p.add_argument("--quick", action="store_true",
                    help="fewer repeats and a smaller grid (512 tokens, 16 requests)")
     p.add_argument("-o", "--output", default="calibration.json", metavar="PATH",
@@ -53,9 +60,27 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def _token_budget(args: argparse.Namespace) -> int:
+    """``--token-budget``: measure, record, print the start-up line's figure."""
+    from kvloop.engine.model_source import resolve_model
+    from kvloop.executor.torch.budget import default_token_budget, record_path
+    from kvloop.executor.torch.model_runner import TorchModelRunner
+
+    runner = TorchModelRunner(
+        str(resolve_model(args.model)), dtype=args.dtype, quantization=args.quantization,
+        device=args.device, block_size=args.block_size, num_gpu_blocks=256 // args.block_size,
+        max_num_batched_tokens=256, max_num_seqs=1)
+    budget, why = default_token_budget(runner, measure=True)
+    where = "" if runner.device.type == "cuda" else f"; recorded in {record_path(runner)}"
+    print(f"kvloop profile: {budget} tokens per step ({why}){where}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_context"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.token_budget:
+        return _token_budget(args)
     out = Path(args.output)
     if out.is_dir():
         raise ValueError(f"--output {out} is a directory; give a file path")

@@ -12,17 +12,30 @@ timed ones follow until the fastest has stopped improving (``_settled``): at lea
 a conversion the machine can stay slow for several steps (a fresh-clone review measured
 10-64 ms per token on the first probes); probing until the steps settle keeps such a start
 from choosing the minimum budget. About half a second for the default model on a warm
-machine. A machine that stays busy throughout still measures slow and gets a small budget:
-``--max-num-batched-tokens`` sets it.
+machine.
+
+The budget is a property of the machine and the model, not of the minute: the measured cost
+per token is recorded (``cache_dir()/token_budgets``, keyed by the model's files, the CPU,
+the thread count, the dtype, the quantization and kvloop's executor:
+``identity.machine_model_key``) and every later start reads it instead of timing again.
+``kvloop profile --token-budget`` measures again (on an idle machine: a busy one measures
+slow); the start-up line says where the figure came from, and when the floor or the
+ceiling applied. ``--max-num-batched-tokens`` sets the budget outright.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvloop.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
+from kvloop.paths import cache_dir
 from kvloop.sampling_params import SamplingParams
 
 CUDA_BUDGET = 2048
@@ -54,18 +67,98 @@ def prefill_time(runner: Any, tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def default_token_budget(runner: Any) -> tuple[int, str]:
-    """(budget, why) for a runner that was not given one."""
-    if runner.device.type == "cuda":
-        return CUDA_BUDGET, "the CUDA default"
+def records_dir() -> Path:
+    """Where measured costs per token are recorded (module docstring)."""
+    return cache_dir() / "token_budgets"
+
+
+def record_path(runner: Any) -> Path:
+    """The record of ``runner``'s model, dtype and quantization on this machine."""
+    from kvloop.executor.torch.identity import machine_model_key
+
+    key = machine_model_key(runner.model_path, dtype=runner.dtype,
+                            quantization=runner.quantization, probe_tokens=_PROBE_TOKENS)
+    return records_dir() / f"{key}.json"
+
+
+def measure_per_token(runner: Any) -> float:
+    """Seconds per prompt token of a settled 64-token prefill step (module docstring)."""
     prefill_time(runner, _PROBE_TOKENS)  # warm-up, untimed: the same shapes as the probes
     # NOTE: the fastest, not the mean: a slow repeat is the machine (a neighbour, a page-in),
     # not the model's cost.
-    per_token = _settled(lambda: prefill_time(runner, _PROBE_TOKENS)) / _PROBE_TOKENS
+    return _settled(lambda: prefill_time(runner, _PROBE_TOKENS)) / _PROBE_TOKENS
+
+
+def budget_for(per_token: float) -> tuple[int, str]:
+    """(budget, the words for it) for steps of ``CPU_TARGET_STEP_S`` at ``per_token`` seconds
+    per prompt token, rounded down to a multiple of 64 and kept in [64, 2048]."""
     tokens = int(CPU_TARGET_STEP_S / per_token) // 64 * 64
     budget = min(MAX_BUDGET, max(MIN_BUDGET, tokens))
-    return budget, (f"for ~{CPU_TARGET_STEP_S:g} s steps at ~{per_token * 1e3:.1f} ms per "
-                    "prompt token, measured")
+    rate = f"~{CPU_TARGET_STEP_S:g} s steps at ~{per_token * 1e3:.3g} ms per prompt token"
+    if tokens < MIN_BUDGET:
+        return budget, f"the floor: {rate} would allow {int(CPU_TARGET_STEP_S / per_token)}"
+    if tokens > MAX_BUDGET:
+        return budget, f"the ceiling: {rate} would allow {tokens}"
+    return budget, f"for {rate}"
+
+
+def default_token_budget(runner: Any, *, measure: bool = False) -> tuple[int, str]:
+    """(budget, why) for a runner that was not given one: CUDA's, or on CPU from the cost
+    per token recorded for this machine and model, measured (and recorded) when there is
+    no record yet or ``measure`` is set (module docstring)."""
+    if runner.device.type == "cuda":
+        return CUDA_BUDGET, "the CUDA default"
+    path = record_path(runner)
+    record = None if measure else _read(path)
+    if record is not None:
+        budget, words = budget_for(record["per_token_s"])
+        return budget, (f"{words}, measured {record['measured']} on this machine; "
+                        "kvloop profile --token-budget measures again")
+    load = _load_per_cpu()
+    per_token = measure_per_token(runner)
+    _write(path, {"per_token_s": per_token,
+                  "measured": datetime.date.today().isoformat(),
+                  "load_per_cpu": load})
+    budget, words = budget_for(per_token)
+    busy = (f"; the machine was busy ({load:.1f} runnable per CPU): kvloop profile "
+            "--token-budget on an idle one measures again" if load > BUSY_LOAD else "")
+    return budget, f"{words}, measured now and kept for later starts{busy}"
+
+
+BUSY_LOAD = 0.5
+"""Runnable tasks per CPU (the one-minute load average) above which a measurement is
+called busy in the start-up line."""
+
+
+def _load_per_cpu() -> float:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """The record at ``path``, or None when missing or unreadable (then measured again)."""
+    try:
+        record = json.loads(path.read_text())
+        per_token = float(record["per_token_s"])
+        str(record["measured"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if per_token > 0 else None
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` atomically (a reader never sees half a file); a cache that cannot be
+    written only means measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
+                                         suffix=".tmp") as f:
+            json.dump(record, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def _settled(probe: Callable[[], float]) -> float:

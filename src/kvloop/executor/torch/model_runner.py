@@ -100,6 +100,8 @@ class TorchModelRunner:
         seed: int = 0,
         flex_attention: bool | None = None,
     ) -> None:
+        self.model_path = Path(model_path)
+        """The model's folder."""
         self.device = resolve_device(device)
         on_cuda = self.device.type == "cuda"
         self.flex_attention: bool = on_cuda if flex_attention is None else flex_attention
