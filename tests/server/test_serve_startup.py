@@ -41,6 +41,9 @@ def test_serve_prints_one_startup_line_before_serving(tiny_model: Path) -> None:
     assert line.endswith(f"; http://127.0.0.1:{port}")
     running = next(i for i, text in enumerate(lines) if "Uvicorn running on" in text)
     assert starts[0] < running
+    loading = next(i for i, text in enumerate(lines) if text.startswith("kvloop: loading "))
+    loaded = next(i for i, text in enumerate(lines) if text.startswith("kvloop: loaded in "))
+    assert loading < loaded < starts[0], output  # it says what it is doing while it starts
 
 
 def test_startup_line_names_a_scheduling_policy_other_than_fcfs() -> None:

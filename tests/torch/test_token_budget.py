@@ -92,7 +92,8 @@ def test_the_engine_measures_and_says_what_it_chose(llama_model: TinyModel):
     chosen = auto.scheduler.config.max_num_batched_tokens
     assert 64 <= chosen <= 2048 and chosen % 64 == 0
     assert auto.token_budget_note.startswith(f"{chosen} tokens per step (")
-    assert auto.token_budget_note.endswith("measured now and kept for later starts)")
+    # NOTE: a busy machine (as CI can be) adds a hint after these words.
+    assert "measured now and kept for later starts" in auto.token_budget_note
     again = LLMEngine.from_args(EngineArgs(model=str(llama_model.path), **ARGS))
     assert again.scheduler.config.max_num_batched_tokens == chosen  # read, not re-timed
     assert "on this machine; kvloop profile --token-budget measures again" in (

@@ -9,11 +9,8 @@ stderr, as is a ``[length]`` note for a reply cut by ``--max-tokens``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import sys
-from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import IO, Any
 
@@ -23,6 +20,7 @@ from kvloop.cli.args import (
     check_prompts_early,
     engine_args_from,
 )
+from kvloop.cli.status import status_to_stderr
 from kvloop.engine.generation_config import DEFAULT_MODEL_GENERATION_CONFIG
 from kvloop.sampling_params import SamplingParams
 
@@ -131,37 +129,6 @@ def show_sampling(params: SamplingParams, args: argparse.Namespace,
     for name in _SHOWN:
         groups.setdefault(origin(name), []).append(f"{name}={getattr(params, name)}")
     return "sampling: " + "; ".join(f"{' '.join(v)} ({k})" for k, v in groups.items())
-
-
-class _StatusHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes ``kvloop: message`` to whatever ``sys.stderr`` is at each line."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("kvloop: %(message)s"))
-
-    @property  # type: ignore[override]
-    def stream(self) -> IO[str]:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def status_to_stderr() -> Iterator[None]:
-    """Send kvloop's INFO status lines (start-up phases) to stderr while the block runs."""
-    log = logging.getLogger("kvloop")
-    handler, level = _StatusHandler(), log.level
-    log.addHandler(handler)
-    if level == logging.NOTSET or level > logging.INFO:
-        log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from kvloop.cli.args import add_model_args, engine_args_from, format_size
 from kvloop.cli.serve_ray import add_cluster_args, check_cluster_args, run_replicas
+from kvloop.cli.status import status_to_stderr
 from kvloop.server import DEFAULT_MAX_REQUEST_BYTES
 from kvloop.server.limits import BODY_MIN_RATE, ConnectionLimits
 
@@ -218,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         if args.trace_out:
             trace = open(args.trace_out, "w", buffering=1, encoding="utf-8")  # noqa: SIM115
             recorder = StepRecorder(keep_in_memory=False, sink=trace)
-        engine = LLMEngine.from_args(engine_args_from(args), recorder=recorder)
+        with status_to_stderr():  # NOTE: the phase lines, as kvloop generate prints them
+            engine = LLMEngine.from_args(engine_args_from(args), recorder=recorder)
         name = args.served_model_name or args.model
         model = args.model if name == args.model else f"{args.model} (served as {name})"
         metrics = ServerMetrics(name)

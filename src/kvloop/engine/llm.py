@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -33,29 +32,22 @@ class LLM:
     ``generate`` and ``chat`` sample with ``get_default_sampling_params()``: the model's
     generation config (``generation_config="auto"``) over vLLM's neutral defaults.
 
-    Start-up logs one line per phase on the ``kvloop.engine`` logger (INFO): converting a
-    GGUF file (once), loading, and the KV cache it sized.
+    Start-up logs one line per phase on the ``kvloop.engine`` logger (INFO;
+    ``LLMEngine.from_args``): converting a GGUF file (once), loading, and the KV cache it
+    sized.
     """
 
     def __init__(
         self, model: str = "default", *, trace_out: str | None = None, **engine_args: Any
     ) -> None:
-        from kvloop.engine.model_source import resolve_model
-
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
-        folder = resolve_model(self.args.model)
-        start = time.perf_counter()
-        logger.info("loading %s from %s", self.args.model, folder)
         self._trace_file = open(trace_out, "w") if trace_out else None  # noqa: SIM115
         recorder = (
             StepRecorder(keep_in_memory=False, sink=self._trace_file) if self._trace_file else None
         )
-        self.engine = LLMEngine.from_args(self.args, recorder=recorder, folder=folder)
+        self.engine = LLMEngine.from_args(self.args, recorder=recorder)
         self.default_sampling: dict[str, Any] = self.engine.default_sampling
         """``SamplingParams`` fields from the generation config (empty: neutral defaults)."""
-        loaded, kv = _describe(self.engine)
-        logger.info("loaded in %.1f s: %s", time.perf_counter() - start, loaded)
-        logger.info("%s", kv)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters used when none are given (vLLM's method of that name): the
@@ -210,27 +202,3 @@ def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]
     if all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
     return items
-
-
-def _describe(engine: LLMEngine) -> tuple[str, str]:
-    """Two status lines: what was loaded (model, dtype, device, whose CPU kernels) and the
-    KV cache it sized (blocks, tokens, memory, the step's token budget)."""
-    runner = engine.executor
-    cfg = getattr(runner, "model_config", None)
-    dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).replace(
-        "torch.", "")
-    if note := getattr(runner, "dtype_note", ""):
-        dtype += f" ({note})"
-    loaded = (f"{getattr(cfg, 'architecture', 'model')} {dtype} on "
-              f"{getattr(runner, 'device', '?')}")
-    if kernels := getattr(runner, "kernels_note", ""):
-        loaded += f"; {kernels}"
-    cache = engine.scheduler.cache_config
-    kv = (f"KV cache: {cache.num_gpu_blocks} blocks x {cache.block_size} tokens = "
-          f"{cache.num_gpu_blocks * cache.block_size} tokens")
-    nbytes = getattr(getattr(getattr(runner, "kv_cache", None), "gpu", None), "nbytes", None)
-    if isinstance(nbytes, int):
-        kv += f" ({nbytes / 2**30:.2f} GiB)"
-    if note := getattr(engine, "token_budget_note", None):
-        kv += f"; {note}"
-    return loaded, kv

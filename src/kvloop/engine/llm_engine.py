@@ -109,13 +109,17 @@ class LLMEngine:
                   folder: Path | None = None) -> LLMEngine:
         """A real engine: resolve the model (unless ``folder`` is its resolved folder), read
         its sampling defaults, load tokenizer (unless ``skip_tokenizer_init``) and weights,
-        size the KV cache."""
+        size the KV cache. Logs one line per phase on the ``kvloop.engine`` logger (INFO):
+        converting a GGUF file (once), loading, what loaded and the KV cache it sized
+        (:func:`describe_startup`)."""
         from kvloop.engine.generation_config import default_sampling_fields
         from kvloop.engine.model_source import resolve_model
         from kvloop.engine.tokenizer import Tokenizer
         from kvloop.executor.torch import TorchModelRunner
 
         path = folder if folder is not None else resolve_model(args.model)
+        start = time.perf_counter()
+        logger.info("loading %s from %s", args.model, path)
         # NOTE: before the weights load, so that a bad generation config fails fast.
         default_sampling = default_sampling_fields(args.generation_config, path,
                                                    model=args.model)
@@ -158,6 +162,9 @@ class LLMEngine:
         engine.token_budget_note = (
             f"{scheduler.config.max_num_batched_tokens} tokens per step ({why})")
         engine.default_sampling = default_sampling
+        loaded, kv = describe_startup(engine)
+        logger.info("loaded in %.1f s: %s", time.perf_counter() - start, loaded)
+        logger.info("%s", kv)
         return engine
 
     # -- requests --------------------------------------------------------------------
@@ -447,3 +454,27 @@ class LLMEngine:
             logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
             metrics=RequestMetrics.of(req),
         )
+
+
+def describe_startup(engine: LLMEngine) -> tuple[str, str]:
+    """Two status lines: what was loaded (model, dtype, device, whose CPU kernels) and the
+    KV cache it sized (blocks, tokens, memory, the step's token budget)."""
+    runner = engine.executor
+    cfg = getattr(runner, "model_config", None)
+    dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).replace(
+        "torch.", "")
+    if note := getattr(runner, "dtype_note", ""):
+        dtype += f" ({note})"
+    loaded = (f"{getattr(cfg, 'architecture', 'model')} {dtype} on "
+              f"{getattr(runner, 'device', '?')}")
+    if kernels := getattr(runner, "kernels_note", ""):
+        loaded += f"; {kernels}"
+    cache = engine.scheduler.cache_config
+    kv = (f"KV cache: {cache.num_gpu_blocks} blocks x {cache.block_size} tokens = "
+          f"{cache.num_gpu_blocks * cache.block_size} tokens")
+    nbytes = getattr(getattr(getattr(runner, "kv_cache", None), "gpu", None), "nbytes", None)
+    if isinstance(nbytes, int):
+        kv += f" ({nbytes / 2**30:.2f} GiB)"
+    if note := getattr(engine, "token_budget_note", None):
+        kv += f"; {note}"
+    return loaded, kv
