@@ -52,7 +52,7 @@ def _trace(setup: dict, workload: list[tuple[int, int, int]], steps: int = 80) -
 def test_bulk_decodes_decide_as_the_loop_does(setup, workload):
     with_bulk = _trace(setup, workload)
     original = scheduler_module._leading_decodes
-    scheduler_module._leading_decodes = lambda requests, limit: 0  # the loop only
+    scheduler_module._leading_decodes = lambda requests, start, limit: 0  # the loop only
     try:
         without = _trace(setup, workload)
     finally:

@@ -190,7 +190,10 @@ class Admission:
 
 
 def _headroom(running: Sequence[Request]) -> int:
-    """Tokens the running requests may still add within ``HEADROOM_TOKENS`` each."""
+    """Tokens the running requests may still add within ``HEADROOM_TOKENS`` each.
+
+    NOTE: the only read of how far the running requests got in the waiting pass; fast-forward
+    relies on that (``FastForward._progress_unread``)."""
     total = 0
     for r in running:
         left = r.sampling_params.max_tokens - len(r.output_token_ids)

@@ -137,11 +137,21 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one owner from each block; blocks reaching 0 join the free queue's tail in
         the given order (so pass the ones to evict first, first)."""
-        append = self.free_queue.append
+        queue = self.free_queue
+        tail = queue._tail
+        freed = 0
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                # NOTE: ``FreeBlockQueue.append`` inlined (a finish frees all its blocks)
+                last = tail.prev
+                assert last is not None
+                last.next = block
+                block.prev = last
+                block.next = tail
+                tail.prev = block
+                freed += 1
+        queue.num_free += freed
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Register a full, computed block under its prefix hash (first writer wins)."""

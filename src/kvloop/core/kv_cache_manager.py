@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvloop.config import CacheConfig
 from kvloop.core.block_pool import BlockPool, KVBlock
+from kvloop.core.prefix_hash import HashMemo
 from kvloop.core.request import Request
 
 
@@ -28,6 +29,8 @@ class KVCacheManager:
         self.cpu_free: list[int] = list(range(cache_config.num_cpu_blocks - 1, -1, -1))
         self.swapped_blocks: dict[str, list[int]] = {}
         """Host block table per swapped-out request."""
+        self._hashes = HashMemo()
+        """Hashes computed before, for requests that repeat a prompt or its outputs."""
 
     # -- sizes -----------------------------------------------------------------------
     @property
@@ -80,7 +83,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
-        hashes = request.update_block_hashes(self.block_size)
+        hashes = request.update_block_hashes(self.block_size, self._hashes)
         limit = (request.num_tokens - 1) // self.block_size
         cached = self.pool.cached
         hits: list[KVBlock] = []
@@ -101,16 +104,20 @@ class KVCacheManager:
         block_size = self.block_size
         registered = self._num_registered
         cache_block = self.pool.cache_block
+        memo = self._hashes
         for request in requests:
             num_full = request.num_computed_tokens // block_size
             rid = request.request_id
             done = registered[rid]
             if num_full <= done:
                 continue
-            hashes = request.update_block_hashes(block_size)
+            hashes = request.update_block_hashes(block_size, memo)
             blocks = self.req_blocks[rid]
-            for i in range(done, num_full):
-                cache_block(blocks[i], hashes[i])
+            if num_full == done + 1:
+                cache_block(blocks[done], hashes[done])  # NOTE: the common case: one block
+            else:
+                for i in range(done, num_full):
+                    cache_block(blocks[i], hashes[i])
             registered[rid] = num_full
 
     def commit_one_token(self, requests: list[Request]) -> None:
@@ -119,7 +126,67 @@ class KVCacheManager:
         can have filled a block."""
         if self.enable_caching:
             block_size = self.block_size
-            self.commit_computed([r for r in requests if r.num_computed_tokens % block_size == 0])
+            self.commit_filled([r for r in requests if r.num_computed_tokens % block_size == 0])
+
+    def commit_filled(self, requests: list[Request]) -> None:
+        """``commit_computed`` for requests at a block boundary that each computed one token
+        since the last commit. NOTE: the decode steady state, one block each, inlined: a
+        request past its prompt whose hashes and registrations stop just before the block it
+        filled has that one block hashed (``update_block_hashes``' single-block case) and
+        offered; any other goes through ``commit_computed``, in turn."""
+        if not self.enable_caching:
+            return
+        block_size = self.block_size
+        registered, tables, memo = self._num_registered, self.req_blocks, self._hashes
+        cache_block = self.pool.cache_block
+        for r in requests:
+            rid = r.request_id
+            k = registered[rid]
+            hashes = r.block_hashes
+            start = k * block_size
+            num_prompt = r.num_prompt_tokens
+            if (k and len(hashes) == k and start >= num_prompt
+                    and r.num_computed_tokens == start + block_size
+                    and (num_prompt + len(r.output_token_ids)) // block_size == k + 1):
+                first = start - num_prompt
+                h = memo.block(hashes[k - 1], r.output_token_ids[first:first + block_size])
+                hashes.append(h)
+                cache_block(tables[rid][k], h)
+                registered[rid] = k + 1
+            else:
+                self.commit_computed([r])
+
+    def commit_lagging_block(self, request: Request, num_filled: int,
+                             tokens: tuple[int, ...]) -> bool:
+        """``commit_filled`` for a decoding request whose computed tokens just filled its
+        ``num_filled``-th block, of ``tokens``, some of which may not be in its outputs yet
+        (sampled in a fast-forward, which appends them later). Does it and returns True
+        when that block is the one after those its hashes and registrations cover, holds
+        output tokens only and agrees with the outputs it overlaps; else returns False,
+        doing nothing.
+
+        NOTE: the hash goes onto ``block_hashes`` ahead of the outputs: ``update_block_hashes``
+        only extends the list, so it computes nothing more once the outputs catch up (with
+        blocks of more than one token, stepping's list then ends at this block too)."""
+        if not self.enable_caching:
+            return True
+        k = num_filled - 1
+        rid = request.request_id
+        hashes = request.block_hashes
+        block_size = self.block_size
+        first = k * block_size - request.num_prompt_tokens
+        if (block_size == 1 or not k or first < 0 or len(hashes) != k
+                or self._num_registered[rid] != k):
+            return False
+        outputs = request.output_token_ids
+        known = len(outputs) - first
+        if known > 0 and outputs[first:first + block_size] != list(tokens[:known]):
+            return False
+        h = self._hashes.block(hashes[k - 1], tokens)
+        hashes.append(h)
+        self.pool.cache_block(self.req_blocks[rid][k], h)
+        self._num_registered[rid] = num_filled
+        return True
 
     # -- allocation ------------------------------------------------------------------
     def allocate_slots(
@@ -156,23 +223,33 @@ class KVCacheManager:
         blocks.extend(new)
         return [b.block_id for b in new]
 
-    def allocate_decodes(self, requests: list[Request]) -> dict[str, list[int]] | None:
-        """One more slot for each request (all running, with a table), in order: what
-        ``allocate_slots(r, 1)`` would do for each in turn. Returns the new block ids of the
-        requests that needed one, or None, allocating nothing, if the free blocks do not
-        cover them all."""
+    def allocate_decodes(self, requests: list[Request]) -> tuple[int, dict[str, list[int]]]:
+        """One more slot for each of the leading ``requests`` (all running, with a table),
+        in order, up to the first that would find no free block: what ``allocate_slots(r,
+        1)`` does for each in turn until one returns None. Returns how many got their slot,
+        and the new block ids of those that needed one."""
         tables, block_size = self.req_blocks, self.block_size
-        full = [r.request_id for r in requests
+        full = [i for i, r in enumerate(requests)
                 if len(tables[r.request_id]) * block_size <= r.num_computed_tokens]
+        count = len(requests)
+        free = self.pool.free_queue.num_free
+        if len(full) > free:
+            count = full[free]  # NOTE: the first to find no block; those before it fit
+            del full[free:]
         if not full:
-            return {}
-        if len(full) > self.pool.free_queue.num_free:
-            return None
-        out = {}
-        for rid, block in zip(full, self.pool.get_new_blocks(len(full)), strict=True):
+            return count, {}
+        ids = [requests[i].request_id for i in full]
+        return count, {rid: [b.block_id] for rid, b in zip(ids, self.append_blocks(ids),
+                                                           strict=True)}
+
+    def append_blocks(self, request_ids: list[str]) -> list[KVBlock]:
+        """One new block at the end of each request's table, taken in order (the caller
+        checked that enough are free); returns them."""
+        tables = self.req_blocks
+        blocks = self.pool.get_new_blocks(len(request_ids))
+        for rid, block in zip(request_ids, blocks, strict=True):
             tables[rid].append(block)
-            out[rid] = [block.block_id]
-        return out
+        return blocks
 
     def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]] | None:
         """Give each child the parent's computed KV: its full blocks shared (ref counts),

@@ -6,7 +6,7 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvloop.core.prefix_hash import chain_hashes, root_hash, token_bytes
+from kvloop.core.prefix_hash import HashMemo, block_hash, chain_hashes, root_hash, token_bytes
 from kvloop.sampling_params import SamplingParams, is_int64, shown
 
 if TYPE_CHECKING:
@@ -195,17 +195,29 @@ class Request:
         return self.token_ids(0, self.num_tokens)
 
     # -- prefix-cache hashes -------------------------------------------------------
-    def update_block_hashes(self, block_size: int) -> list[bytes]:
+    def update_block_hashes(self, block_size: int, memo: HashMemo | None = None
+                            ) -> list[bytes]:
         """Extend ``block_hashes`` over every full block of known tokens and return it
-        (``kvloop.core.prefix_hash``: SHA-256 chained over the blocks, salted)."""
+        (``kvloop.core.prefix_hash``: SHA-256 chained over the blocks, salted; ``memo``
+        may know some)."""
         hashes = self.block_hashes
-        num_full = self.num_tokens // block_size
+        num_prompt = self.num_prompt_tokens
+        num_full = (num_prompt + len(self.output_token_ids)) // block_size
         done = len(hashes)
         if done < num_full:
-            parent = hashes[-1] if hashes else root_hash(self.cache_salt)
             start, end = done * block_size, num_full * block_size
-            data = token_bytes(self.token_ids(start, end))
-            hashes.extend(chain_hashes(parent, data, block_size, num_full - done))
+            if not done and memo is not None and num_prompt >= block_size:
+                hashes.extend(memo.prompt(self.cache_salt, self.prompt_token_ids, block_size))
+                return self.update_block_hashes(block_size, memo)
+            if done and done + 1 == num_full and start >= num_prompt:
+                # NOTE: the common case, one block of outputs (``chain_hashes``' step)
+                outputs = self.output_token_ids[start - num_prompt:end - num_prompt]
+                hashes.append(block_hash(hashes[-1], outputs) if memo is None
+                              else memo.block(hashes[-1], outputs))
+            else:
+                parent = hashes[-1] if hashes else root_hash(self.cache_salt)
+                data = token_bytes(self.token_ids(start, end))
+                hashes.extend(chain_hashes(parent, data, block_size, num_full - done))
         return hashes
 
     def __repr__(self) -> str:

@@ -18,24 +18,21 @@ from collections.abc import Callable
 
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.admission import Admission
+from kvloop.core.fast_forward import FastForward
 from kvloop.core.group import GroupForking, SequenceGroup
-from kvloop.core.interface import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from kvloop.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.policies import make_policy
 from kvloop.core.preemption import Preemption
 from kvloop.core.request import Request, RequestStatus
+from kvloop.core.results import StepResults
 from kvloop.core.stats import SchedulerStats, StepRecorder
-from kvloop.core.step import StepBuilder, build_step_record
+from kvloop.core.step import StepBuilder
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler(Preemption, GroupForking, Admission):
+class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
     """Continuous-batching scheduler over a paged KV cache."""
 
     def __init__(
@@ -292,45 +289,59 @@ class Scheduler(Preemption, GroupForking, Admission):
         # Requests admitted earlier in this step (prefill-first) are already scheduled.
         todo = [r for r in self.running if r.request_id not in scheduled] if scheduled else (
             self.running)
-        # NOTE: the steady state in bulk. For the leading requests that decode (up to the
-        # budget), if the pool has a block for each one at a block boundary, the loop below
-        # would charge each one token, in order, preempting no one: the same decisions (and
-        # block ids) as charging them at once, at a fraction of the cost.
-        k = _leading_decodes(todo, b.budget)
+        # NOTE: the steady state in bulk. For a run of requests that decode (up to the
+        # budget), as long as the pool has a block for each one at a block boundary, the
+        # one-by-one loop would charge each one token, in order, preempting no one: the
+        # same decisions (and block ids) as charging them at once, at a fraction of the
+        # cost. It takes over from the first that finds no free block (or does not decode)
+        # and hands the next run of decodes back.
+        k = _leading_decodes(todo, 0, b.budget)
+        allocate_decodes = self.kv.allocate_decodes
         if k:
-            new_blocks = self.kv.allocate_decodes(todo[:k])
-            if new_blocks is None:
-                k = 0
-            else:
+            k, new_blocks = allocate_decodes(todo[:k])
+            if k:
                 b.charge_decodes(todo[:k], new_blocks)
-        allocate = self.kv.allocate_slots
-        charge = b.charge
-        cost_aware = self.config.cost_aware_preemption
+        if k == len(todo):
+            return
         # NOTE: a copy: preemptions edit ``running`` while the loop walks it; victims not
         # yet visited are skipped by their status.
-        for req in todo[k:]:
-            if b.budget <= 0:
-                break
-            if req.status is not _RUNNING:
-                continue  # preempted earlier in this loop
-            remaining = req.num_tokens - req.num_computed_tokens
-            if req.request_id in self._unforked:
-                # NOTE: a group leader prefills up to its last prompt token, then forks.
-                remaining = req.num_prompt_tokens - 1 - req.num_computed_tokens
-                if remaining == 0:
-                    self._schedule_fork(req, b)
+        rest = todo[k:]
+        i = 0
+        while i < len(rest) and b.budget > 0:
+            k = _leading_decodes(rest, i, b.budget) if i else 0
+            if k:
+                k, new_blocks = allocate_decodes(rest[i:i + k])
+                if k:
+                    b.charge_decodes(rest[i:i + k], new_blocks)
+                    i += k
                     continue
-            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
+            self._schedule_one(rest[i], b)
+            i += 1
+
+    def _schedule_one(self, req: Request, b: StepBuilder) -> None:
+        """The running pass for one request: its next token or prompt chunk, if it gets the
+        blocks (preempting for them, or waiting a step instead under cost-aware rules)."""
+        if req.status is not _RUNNING:
+            return  # preempted earlier in this pass
+        remaining = req.num_tokens - req.num_computed_tokens
+        if req.request_id in self._unforked:
+            # NOTE: a group leader prefills up to its last prompt token, then forks.
+            remaining = req.num_prompt_tokens - 1 - req.num_computed_tokens
+            if remaining == 0:
+                self._schedule_fork(req, b)
+                return
+        n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
+        allocate = self.kv.allocate_slots
+        new_ids = allocate(req, n)
+        if new_ids is None and self.config.cost_aware_preemption and self._wait_instead(
+                req, n, b):
+            return
+        while new_ids is None:
+            self._preempt(self._victim(b), b)
+            if req.status is not _RUNNING:
+                return  # req itself (or its group) was preempted
             new_ids = allocate(req, n)
-            if new_ids is None and cost_aware and self._wait_instead(req, n, b):
-                continue
-            while new_ids is None:
-                self._preempt(self._victim(b), b)
-                if req.status is not _RUNNING:
-                    break  # req itself (or its group) was preempted
-                new_ids = allocate(req, n)
-            if new_ids is not None:
-                charge(req, n, remaining, new_ids)
+        b.charge(req, n, remaining, new_ids)
 
     def _schedule_swapped(self, b: StepBuilder) -> None:
         # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
@@ -363,105 +374,6 @@ class Scheduler(Preemption, GroupForking, Admission):
             b.charge(req, n, remaining, kv.block_ids(rid))
             self.stats.num_blocks_swapped_in += len(pairs)
 
-    # -- after the step --------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[Request]:
-        """Apply a step's results: advance progress, append tokens, finish requests.
-
-        Returns the requests that received tokens or finished in this step.
-        """
-        b = self._step
-        if b is None:
-            raise RuntimeError("update_from_output() without a scheduled step")
-        # NOTE: the step stays pending until its results are applied: if this raises
-        # half-way, ``abandon_step`` can still fail its requests (``step_pending``).
-        if self.policy.on_step is not None:
-            self.policy.on_step(scheduler_output, self.requests, b.start_time)
-        now = self.clock()
-        sampled = runner_output.sampled_token_ids
-        requests = self.requests
-        kv = self.kv
-        touched: list[Request] = []
-        chunked: list[Request] = []
-        finished: list[tuple[Request, RequestStatus]] = []
-        gen_tokens = 0
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue  # aborted between schedule() and now
-            computed = req.num_computed_tokens = req.num_computed_tokens + n
-            if n > 1:
-                chunked.append(req)
-            outputs = req.output_token_ids
-            if computed < req.num_prompt_tokens + len(outputs):
-                if n == 1:
-                    chunked.append(req)  # a one-token prefill chunk
-                continue
-            tokens = sampled.get(rid)
-            if not tokens:
-                errors = runner_output.errors
-                req.error = ((errors.get(rid) if errors else None)
-                             or "the executor returned no token for a completed step")
-                finished.append((req, RequestStatus.FINISHED_ERROR))
-                touched.append(req)
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
-            stop_ids = req.stop_ids
-            max_tokens = req.sampling_params.max_tokens
-            status = None
-            for t in tokens:
-                outputs.append(t)
-                req.token_times.append(now)
-                gen_tokens += 1
-                # NOTE: a stop id before min_tokens (an executor that does not mask) is kept.
-                if t in stop_ids and len(outputs) > req.sampling_params.min_tokens:
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
-                # NOTE: prompt + max_tokens <= max_model_len was checked on arrival, so
-                # max_tokens is the only length limit left to test.
-                if len(outputs) >= max_tokens:
-                    status = RequestStatus.FINISHED_LENGTH
-                    break
-            touched.append(req)
-            if status is not None:
-                finished.append((req, status))
-        # NOTE: before finished requests release their blocks, so their prompts stay cached.
-        if chunked:
-            kv.commit_computed(chunked)
-        kv.commit_one_token(touched)
-        if finished:
-            if len(finished) <= 8:
-                for req, _ in finished:
-                    self.running.remove(req)
-            else:
-                done = {id(r) for r, _ in finished}
-                self.running = [r for r in self.running if id(r) not in done]
-            for req, status in finished:
-                self._finish(req, status)
-        num_decodes = len(scheduler_output.num_scheduled_tokens) - len(b.prefill_kinds)
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_generation_tokens += gen_tokens
-        stats.num_prompt_tokens += scheduler_output.total_num_scheduled_tokens - num_decodes
-        self._step = None
-        usage = kv.usage
-        stats.kv_usage_sum += usage
-        if usage > stats.kv_usage_peak:
-            stats.kv_usage_peak = usage
-        if self.recorder is not None:
-            sampled = [r.request_id for r in touched if r.status != RequestStatus.FINISHED_ERROR]
-            arrived, self._arrived = self._arrived, []
-            info, self._arrived_info = self._arrived_info, {}
-            b.finished, self._finished_log = self._finished_log, []
-            counts = (kv.num_used_blocks, kv.num_gpu_blocks, len(self.running),
-                      len(self.waiting), len(self.swapped))
-            self.recorder.add(build_step_record(
-                b, scheduler_output, runner_output, now, arrived, sampled, counts, info))
-        self.step_index += 1
-        return touched
-
     # -- checks ----------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert queues, statuses and the KV cache agree (tests call it every step)."""
@@ -492,12 +404,12 @@ class Scheduler(Preemption, GroupForking, Admission):
             assert r.num_computed_tokens == 0, r
 
 
-def _leading_decodes(requests: list[Request], limit: int) -> int:
-    """How many of the first ``limit`` requests decode (one token left, outputs so far)
-    before the first that does not."""
+def _leading_decodes(requests: list[Request], start: int, limit: int) -> int:
+    """How many of the (at most ``limit``) requests from ``start`` on are running and decode
+    (one token left, outputs so far) before the first that does not."""
     k = 0
-    for r in requests[:limit] if limit < len(requests) else requests:
-        if not r.output_token_ids or (
+    for r in requests[start:start + limit] if start or limit < len(requests) else requests:
+        if r.status is not _RUNNING or not r.output_token_ids or (
             r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1
         ):
             break

@@ -46,18 +46,29 @@ class SimulatedExecutor:
             else:
                 chunks.append((c, d.num_computed_tokens))
         cached = out.cached_requests
-        for rid, p in zip(cached.request_ids, cached.num_computed_tokens, strict=True):
-            c = scheduled[rid]
-            if c == 1:
-                num_decodes += 1
-                decode_context += p + 1
-            else:
-                chunks.append((c, p))
-        step_time = self.cost_model.step_time(
-            num_decodes,
-            decode_context,
-            chunks,
-            len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out),
-            block_size=self.block_size,
-        )
+        ids, computed = cached.request_ids, cached.num_computed_tokens
+        if sum(map(scheduled.__getitem__, ids)) == len(ids):
+            # NOTE: the common case: every cached request decodes (each is scheduled >= 1)
+            num_decodes += len(ids)
+            decode_context += sum(computed) + len(ids)
+        else:
+            for rid, p in zip(ids, computed, strict=True):
+                c = scheduled[rid]
+                if c == 1:
+                    num_decodes += 1
+                    decode_context += p + 1
+                else:
+                    chunks.append((c, p))
+        step_time = self.step_time(num_decodes, decode_context, chunks,
+                                   len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
         return ModelRunnerOutput(dict.fromkeys(scheduled, _ONE), step_time)
+
+    def step_time(self, num_decodes: int, decode_context: int, chunks: list[tuple[int, int]],
+                  swap_blocks: int = 0) -> float:
+        """The cost model's time for a step as ``execute`` sees it: ``num_decodes``
+        requests computing one token over ``decode_context`` tokens in all, ``chunks``
+        (c, p) of the others in scheduling order (new requests first). Fast-forward asks
+        it directly, the very same way, so a stateful cost model (``MeasuredSteps``)
+        answers the same."""
+        return self.cost_model.step_time(num_decodes, decode_context, chunks, swap_blocks,
+                                         block_size=self.block_size)
