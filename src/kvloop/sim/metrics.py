@@ -14,6 +14,9 @@
   arriving (first to last arrival; the whole run when all arrive at once): a prompt counts
   when its first token comes, each output token when it comes; recomputation is not
   service. Jain's fairness index over tenants is (Σx)² / (n·Σx²) with x = service / weight.
+- As the papers define them (``kvloop.sim.published_metrics``): SLO attainment
+  (DistServe), QoE (Andes) and, with tenants, VTC's service gap between tenants while
+  they are backlogged, with each tenant's service rate over its backlogged windows.
 
 Times are seconds in the summary; :func:`format_table` shows latencies in ms.
 """
@@ -26,6 +29,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvloop.sim.load import load_rows
+from kvloop.sim.published_metrics import (
+    SERVICE_WEIGHTS,
+    WINDOW_S,
+    qoe_summary,
+    slo_attainment,
+    vtc_gap,
+)
 
 __all__ = [
     "LATENCY_METRICS",
@@ -95,6 +105,8 @@ def summarize_requests(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     tenant_weights: dict[str, float] | None = None,
+    window_s: float = WINDOW_S,
+    service_weights: tuple[float, float] = SERVICE_WEIGHTS,
 ) -> dict[str, Any]:
     """Summarise finished requests (duck-typed like ``kvloop.core.request.Request``).
 
@@ -115,6 +127,13 @@ def summarize_requests(
     (of all tenants' service), ``goodput``, ``ttft_mean`` and ``ttft_p99``, and
     ``jain_index`` is Jain's index over service / weight (``tenant_weights``, default 1);
     otherwise ``tenants`` is empty and ``jain_index`` None.
+
+    ``slo_attainment`` (DistServe: fractions meeting both SLOs, TTFT, TPOT) and ``qoe``
+    (Andes: mean and p10) are always there; with tenants, ``vtc`` is VTC's backlogged
+    service gap over windows of ``window_s`` seconds with ``service_weights`` (prompt,
+    output), and each tenant row adds ``backlogged_s`` and ``backlogged_rate`` (its
+    weighted service per second over the windows it was backlogged throughout)
+    (``kvloop.sim.published_metrics``); without tenants ``vtc`` is None.
     """
     requests = list(requests)
     counts = {"completed": 0, "aborted": 0, "failed": 0, "rejected": 0, "unfinished": 0}
@@ -184,6 +203,16 @@ def summarize_requests(
     weights = tenant_weights or {}
     for row in tenants.values():
         row["goodput"] = rate(row.pop("good"))
+    summary["slo_attainment"] = slo_attainment(requests, slo_ttft, slo_tpot)
+    summary["qoe"] = qoe_summary(requests, slo_ttft, slo_tpot)
+    summary["vtc"] = None
+    if tenants:
+        vtc = vtc_gap(requests, window_s=window_s, weights=service_weights,
+                      tenant_weights=weights)
+        for name, row in tenants.items():
+            row.update(vtc["tenants"].get(name, {"backlogged_s": 0.0,
+                                                 "backlogged_rate": None}))
+        summary["vtc"] = {k: v for k, v in vtc.items() if k != "tenants"}
     summary["tenants"] = tenants
     summary["jain_index"] = jain_index(
         row["service_tokens"] / weights.get(name, 1.0) for name, row in tenants.items()
@@ -351,6 +380,16 @@ def format_table(
     row("Request throughput (req/s)", summary.get("request_throughput"))
     if summary.get("slo_ttft") is not None or summary.get("slo_tpot") is not None:
         row("Request goodput (req/s)", summary.get("goodput"))
+    att = summary.get("slo_attainment")
+    if att and att.get("both") is not None and (
+            summary.get("slo_ttft") is not None or summary.get("slo_tpot") is not None):
+        for key, label in (("both", "SLO attainment"), ("ttft", "TTFT attainment"),
+                           ("tpot", "TPOT attainment")):
+            row(label, f"{100 * att[key]:.1f}%")
+    qoe = summary.get("qoe")
+    if qoe and qoe.get("mean") is not None:
+        row("QoE (Andes) mean", qoe["mean"], 3)
+        row("QoE (Andes) p10", qoe["p10"], 3)
     row("Output token throughput (tok/s)", summary.get("output_throughput"))
     row("Total token throughput (tok/s)", summary.get("total_token_throughput"))
     for key, (title, short) in _TITLES.items():
@@ -366,6 +405,11 @@ def format_table(
         lines.append(f"{' Tenants ':-^{_WIDTH}}")
         lines.extend(_tenant_lines(summary["tenants"]))
         row("Jain's fairness index (service/weight)", summary.get("jain_index"), 4)
+        vtc = summary.get("vtc")
+        if vtc and vtc.get("windows"):
+            row(f"VTC gap max, {vtc['window_s']:g} s windows", vtc["max_gap"], 0)
+            row("VTC gap mean", vtc["mean_gap"], 0)
+            row("Jain, backlogged windows (mean)", vtc["jain_mean"], 4)
     if summary.get("load"):
         lines.append(f"{' Load ':-^{_WIDTH}}")
         for key, value in (load_rows(summary["load"]) if load is None else load).items():
