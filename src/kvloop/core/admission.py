@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvloop.core.decisions import Cause, Reason
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.step import StepBuilder
 
@@ -54,7 +55,12 @@ class Admission:
         # a step that had to preempt admits nothing new (that would only thrash).
         waiting = self.waiting
         if self.swapped or b.preempted or not len(waiting):
+            if b.decisions is not None and len(waiting):
+                b.decisions.stop(Reason.SWAPPED_FIRST if self.swapped else Reason.STEP_PREEMPTED,
+                                 len(waiting))
             return
+        d = b.decisions
+        stop: Reason | None = None  # NOTE: set only while recording (``d``)
         cfg, kv = self.config, self.kv
         skipped: list[Request] = []
         reject = self.policy.reject
@@ -89,10 +95,15 @@ class Admission:
                     continue
             if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
                 skipped.append(req)
+                if d is not None:
+                    d.held.append((req.request_id, Reason.JUST_PREEMPTED))
                 continue
             group = req.group if req.group is not None and not req.group.forked else None
             if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
                 waiting.add_front([req])  # NOTE: a group is admitted as one unit
+                if d is not None:
+                    d.held.append((req.request_id, Reason.SEATS))
+                    stop = Reason.SEATS
                 break
             hits = kv.get_computed_blocks(req)
             num_hit = len(hits) * kv.block_size
@@ -106,6 +117,9 @@ class Admission:
                 if remaining == 0:  # a one-token prompt: every sequence computes it now
                     if not self._admit_and_fork(req, b):
                         waiting.add_front([req])
+                        if d is not None:
+                            d.held.append((req.request_id, Reason.BLOCKS))
+                            stop = Reason.BLOCKS
                         break
                     reserved = sum(unforked.values())
                     continue
@@ -114,9 +128,14 @@ class Admission:
                 # NOTE: without chunking the budget covers max_model_len (config check).
                 if not cfg.enable_chunked_prefill:
                     waiting.add_front([req])  # wait for a step with room for all of it
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.WHOLE_PROMPT))
+                        stop = Reason.WHOLE_PROMPT
                     break
                 if self._num_partial(b) >= cfg.max_num_partial_prefills:
                     skipped.append(req)  # a shorter prompt behind it may still fit
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.PARTIAL_PREFILLS))
                     continue
             if headroom > 0:
                 if pending < 0:
@@ -130,9 +149,14 @@ class Admission:
                     # NOTE: keep the running requests' growth room, unless the request may
                     # preempt some of them for urgency anyway.
                     waiting.add_front([req])
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.HEADROOM))
+                        stop = Reason.HEADROOM
                     break
             req.num_computed_tokens = num_hit
             new_ids = kv.allocate_slots(req, n, hits)
+            if new_ids is None and d is not None:
+                d.cause = (Cause.PRIORITY, req.request_id)
             while new_ids is None and self.policy.preempts_running:
                 victim = self._pick_victim(b, worse_than=req)
                 if victim is None:
@@ -142,6 +166,9 @@ class Admission:
             if new_ids is None:
                 req.num_computed_tokens = 0
                 waiting.add_front([req])
+                if d is not None:
+                    d.held.append((req.request_id, Reason.BLOCKS))
+                    stop = Reason.BLOCKS
                 break
             self._admit(req, n, num_hit, new_ids, b)
             if headroom >= 0:
@@ -153,6 +180,12 @@ class Admission:
                 reserved = sum(unforked.values())
         if skipped:
             waiting.add_front(skipped)
+        if d is not None and len(waiting):
+            if stop is None:  # NOTE: the loop's own conditions ended it
+                stop = Reason.BUDGET if b.budget <= 0 else (
+                    Reason.SEATS if len(self.running) + reserved >= cfg.max_num_seqs
+                    else Reason.POLICY_ORDER)
+            d.stop(stop, len(waiting))
 
     def _pending_prompt_blocks(self) -> int:
         """Blocks the running requests still need to finish their prompts (or recompute),

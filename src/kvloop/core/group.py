@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvloop.core.decisions import Cause
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.step import StepBuilder
 
@@ -97,6 +98,8 @@ class GroupForking:
                 if self._fork(leader, b):
                     b.charge(leader, 1, 1, acquired)
                     return
+            if b.decisions is not None:
+                b.decisions.cause = (Cause.FORK, leader.request_id)
             self._preempt(self._victim(b), b)
 
     def _fork(self, leader: Request, b: StepBuilder) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvloop.core.decisions import Reason
 from kvloop.core.interface import SchedulerOutput
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.step import StepBuilder
@@ -104,6 +105,8 @@ class Preemption:
         in this step (by length: certain) free the blocks it lacks."""
         if b.discarded >= self.config.max_num_batched_tokens:
             self.stats.num_preemptions_avoided += 1
+            if b.decisions is not None:
+                b.decisions.left_out.append((req.request_id, Reason.DISCARD_CAP))
             return True
         short = self.kv.num_blocks_short(req, n)
         if b.finishing_blocks < 0:
@@ -116,6 +119,8 @@ class Preemption:
         if 0 < short <= b.finishing_blocks:
             b.finishing_blocks -= short  # NOTE: promised to req, not to the next one
             self.stats.num_preemptions_avoided += 1
+            if b.decisions is not None:
+                b.decisions.left_out.append((req.request_id, Reason.FINISHING_BLOCKS))
             return True
         return False
 
@@ -169,6 +174,9 @@ class Preemption:
             self.stats.num_recompute_preemptions += 1
             b.preempted.append((rid, "recompute"))
         b.preempted_ids.add(rid)
+        d = b.decisions
+        if d is not None:
+            d.preempt_causes.append((rid, *d.cause))
 
     def _unadmit(self, req: Request, b: StepBuilder) -> None:
         """Undo an admission made earlier in this step (prefill-first, when the running
@@ -197,6 +205,8 @@ class Preemption:
             req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.waiting.add_front([req])
+        if b.decisions is not None:
+            b.decisions.held.append((rid, Reason.GIVEN_BACK))
 
     def abandon_step(self, scheduler_output: SchedulerOutput, error: str) -> list[Request]:
         """The executor failed this step: finish its requests with ``error``, restore the

@@ -85,8 +85,10 @@ class StepResults:
             b.finished, self._finished_log = self._finished_log, []
             counts = (kv.num_used_blocks, kv.num_gpu_blocks, len(self.running),
                       len(self.waiting), len(self.swapped))
+            extra = (kv.block_size, len(kv.pool.cached), kv.num_cpu_blocks - kv.num_free_cpu_blocks,
+                     kv.num_cpu_blocks)
             self.recorder.add(build_step_record(
-                b, scheduler_output, runner_output, now, arrived, sampled, counts, info))
+                b, scheduler_output, runner_output, now, arrived, sampled, counts, info, extra))
         self.step_index += 1
         return touched
 

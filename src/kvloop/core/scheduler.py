@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.admission import Admission
+from kvloop.core.decisions import Cause, Decisions, Reason
 from kvloop.core.fast_forward import FastForward
 from kvloop.core.group import GroupForking, SequenceGroup
 from kvloop.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
@@ -209,6 +210,8 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             if cap is not None and cap < budget:
                 budget = max(1, cap)
         b = self._step = StepBuilder(budget, self.clock())
+        if self.recorder is not None:
+            b.decisions = Decisions(self.kv.num_used_blocks)
         try:
             for schedule_pass in self._passes:
                 schedule_pass(b)
@@ -317,6 +320,9 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
                     continue
             self._schedule_one(rest[i], b)
             i += 1
+        d = b.decisions
+        if d is not None and i < len(rest):  # NOTE: the budget ran out
+            d.left_out += [(r.request_id, Reason.BUDGET) for r in rest[i:] if r.status is _RUNNING]
 
     def _schedule_one(self, req: Request, b: StepBuilder) -> None:
         """The running pass for one request: its next token or prompt chunk, if it gets the
@@ -336,6 +342,8 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
         if new_ids is None and self.config.cost_aware_preemption and self._wait_instead(
                 req, n, b):
             return
+        if b.decisions is not None:
+            b.decisions.cause = (Cause.BLOCKS, req.request_id)
         while new_ids is None:
             self._preempt(self._victim(b), b)
             if req.status is not _RUNNING:
@@ -346,17 +354,29 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
     def _schedule_swapped(self, b: StepBuilder) -> None:
         # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
         # swaps out and swaps in (see ``_preempt``).
-        if not self.swapped or b.preempted:
+        if not self.swapped:
+            return
+        d = b.decisions
+        if b.preempted:
+            if d is not None:
+                d.left_out += [(r.request_id, Reason.STEP_PREEMPTED) for r in self.swapped]
             return
         cfg, kv = self.config, self.kv
         for req in sorted(self.swapped, key=self.policy.key):
             if len(self.running) >= cfg.max_num_seqs or b.budget <= 0:
+                if d is not None:
+                    d.left_out.append((req.request_id, Reason.SEATS if b.budget > 0
+                                       else Reason.BUDGET))
                 break
             remaining = req.num_tokens - req.num_computed_tokens
             n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
             if n < remaining and self._num_partial(b) >= cfg.max_num_partial_prefills:
+                if d is not None:
+                    d.left_out.append((req.request_id, Reason.PARTIAL_PREFILLS))
                 continue
             if not kv.can_swap_in(req, n):
+                if d is not None:
+                    d.left_out.append((req.request_id, Reason.BLOCKS))
                 break
             pairs = kv.swap_in(req)
             new_ids = kv.allocate_slots(req, n)

@@ -56,6 +56,31 @@ class StepRecord:
     arrived_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     """For arrivals in ``arrived`` that have any: their tenant, priority and SLO targets
     (``slo_ttft``/``slo_tpot`` in seconds, the scheduler's defaults applied)."""
+    admitted: list[list[Any]] = field(default_factory=list)
+    """[request_id, tokens scheduled, tokens found in the prefix cache] for each request
+    admitted from the waiting queue in this step."""
+    held: list[list[str]] = field(default_factory=list)
+    """[request_id, reason] for each waiting request the waiting pass examined and left
+    waiting (reasons: ``kvloop.core.decisions.Reason``)."""
+    held_reason: str | None = None
+    """Why the waiting pass stopped (or did not run) with requests still waiting."""
+    num_held_behind: int = 0
+    """Waiting requests never examined: they wait behind, for ``held_reason``."""
+    left_out: list[list[str]] = field(default_factory=list)
+    """[request_id, reason] for running or swapped-out requests that computed nothing."""
+    preempt_causes: list[list[str]] = field(default_factory=list)
+    """[victim, cause, request that needed the room] for each of ``preempted``, in order
+    (causes: ``kvloop.core.decisions.Cause``)."""
+    kv_blocks_allocated: int = 0
+    """Device blocks taken from the free pool in this step (prefix hits not counted)."""
+    kv_blocks_freed: int = 0
+    """Device blocks returned to the free pool in this step, net of cached blocks revived
+    by prefix hits."""
+    kv_cached_blocks: int = 0
+    """Device blocks holding a prefix-cache hash after the step (owned or free)."""
+    host_blocks_used: int = 0
+    """Host (CPU swap tier) blocks holding swapped-out requests after the step."""
+    num_host_blocks: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

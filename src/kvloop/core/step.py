@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvloop.core.decisions import Decisions
 from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
 from kvloop.core.request import Request
 from kvloop.core.stats import ScheduledEntry, StepRecord
@@ -21,6 +22,7 @@ class StepBuilder:
         "admitted",
         "budget",
         "copies",
+        "decisions",
         "discarded",
         "finished",
         "finishing_blocks",
@@ -72,6 +74,8 @@ class StepBuilder:
         self.finished: list[tuple[str, str]] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.decisions: Decisions | None = None
+        """Reasons for what the step left out (only while a recorder records)."""
 
     def charge(self, req: Request, n: int, remaining: int, new_ids: list[int]) -> None:
         """Schedule ``n`` of the request's ``remaining`` tokens with ``new_ids`` as the
@@ -111,9 +115,11 @@ def build_step_record(
     sampled: list[str],
     counts: tuple[int, int, int, int, int],
     arrived_info: dict[str, dict[str, Any]] | None = None,
+    kv_extra: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> StepRecord:
     """Describe a finished step. Called after progress was applied; ``counts`` is (KV blocks
-    used, KV blocks in all, running, waiting, swapped) after the step."""
+    used, KV blocks in all, running, waiting, swapped) after the step; ``kv_extra`` is
+    (block size, prefix-cached blocks, host blocks used, host blocks in all)."""
     c = out.cached_requests
     computed = dict(zip(c.request_ids, c.num_computed_tokens, strict=True))
     computed.update((d.request_id, d.num_computed_tokens) for d in out.new_requests)
@@ -123,6 +129,13 @@ def build_step_record(
         for rid, n in out.num_scheduled_tokens.items()
     ]
     used, total, running, waiting, swapped = counts
+    d = b.decisions
+    block_size, cached, host_used, host_total = kv_extra
+    allocated = 0
+    if d is not None and block_size:
+        # NOTE: admitted requests' new blocks include their prefix hits (not taken from the
+        # free pool); a swapped-in request's are its whole table, all fresh.
+        allocated = sum(map(len, b.new_blocks.values())) - sum(b.admitted.values()) // block_size
     return StepRecord(
         step=out.step,
         time_s=b.start_time,
@@ -146,4 +159,15 @@ def build_step_record(
         num_waiting=waiting,
         num_swapped=swapped,
         arrived_info=arrived_info or {},
+        admitted=[[rid, b.scheduled.get(rid, 0), hit] for rid, hit in b.admitted.items()],
+        held=[list(h) for h in d.held] if d is not None else [],
+        held_reason=d.stop_reason if d is not None else None,
+        num_held_behind=d.num_behind if d is not None else 0,
+        left_out=[list(x) for x in d.left_out] if d is not None else [],
+        preempt_causes=[list(x) for x in d.preempt_causes] if d is not None else [],
+        kv_blocks_allocated=allocated,
+        kv_blocks_freed=max(0, d.used_before + allocated - used) if d is not None else 0,
+        kv_cached_blocks=cached,
+        host_blocks_used=host_used,
+        num_host_blocks=host_total,
     )
