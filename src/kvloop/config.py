@@ -12,6 +12,9 @@ PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority", "slo", "fair"]
 SloOverload = Literal["defer", "reject"]
 SchedulingOrder = Literal["decode-first", "prefill-first"]
+OffloadWritePolicy = Literal["write_back", "write_through"]
+OffloadLoad = Literal["auto", "load", "recompute"]
+KVEviction = Literal["lru", "queue-aware"]
 
 
 @dataclass(frozen=True)
@@ -129,12 +132,47 @@ class CacheConfig:
     """Blocks in the host tier used by swap preemption (0: swap falls back to recompute)."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests with equal prefixes (chained block hashes)."""
+    kv_offload_blocks: int = 0
+    """Host blocks of the prefix cache's second tier (``--kv-offload-space``; 0: none).
+    Blocks leaving the device prefix cache are kept there, found by the same hash, and
+    loaded back on a hit. Swap preemption may also use them (it reclaims the tier's least
+    recently used blocks when its own ``num_cpu_blocks`` run out)."""
+    kv_offload_write_policy: OffloadWritePolicy = "write_back"
+    """``write_back``: copy a block to the host tier when the device evicts it;
+    ``write_through``: as soon as it is cached on the device (more copies, none lost)."""
+    kv_offload_load: OffloadLoad = "auto"
+    """Host hits are ``load``-ed, ``recompute``-d, or (``auto``) whichever the costs below
+    make cheaper, per request."""
+    kv_load_s_per_block: float = 0.0
+    """Seconds to copy one block host -> device (the executor's link; 0: free)."""
+    kv_load_latency_s: float = 0.0
+    """Fixed seconds a request's load costs beyond its blocks."""
+    kv_recompute_s_per_token: float = 0.0
+    """Seconds prefill spends per prompt token (0: unknown, so ``auto`` loads)."""
+    kv_eviction: KVEviction = "lru"
+    """Which free cached block the device evicts first: ``lru``, or ``queue-aware`` (LRU,
+    passing over blocks the first ``kv_eviction_lookahead`` waiting requests would hit)."""
+    kv_eviction_lookahead: int = 16
+    """Waiting requests whose prefixes queue-aware eviction protects (bounded work)."""
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("num_gpu_blocks", self.num_gpu_blocks)
         if self.num_cpu_blocks < 0:
             raise ValueError("num_cpu_blocks must be >= 0")
+        if (not isinstance(self.kv_offload_blocks, int) or isinstance(self.kv_offload_blocks, bool)
+                or self.kv_offload_blocks < 0):
+            raise ValueError(
+                f"kv_offload_blocks must be an integer >= 0, got {self.kv_offload_blocks!r}")
+        _choice("kv_offload_write_policy", self.kv_offload_write_policy,
+                ("write_back", "write_through"))
+        _choice("kv_offload_load", self.kv_offload_load, ("auto", "load", "recompute"))
+        for name in ("kv_load_s_per_block", "kv_load_latency_s", "kv_recompute_s_per_token"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < 1e9):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        _choice("kv_eviction", self.kv_eviction, ("lru", "queue-aware"))
+        _positive("kv_eviction_lookahead", self.kv_eviction_lookahead)
 
 
 def _positive(name: str, value: int) -> None:

@@ -99,6 +99,15 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         """Prefix-cache map: block hash -> the block holding that prefix's KV."""
         self.num_evictions = 0
+        self.evicted: list[tuple[bytes, int]] | None = None
+        """When a list (a host tier listens): (hash, block id) of each block evicted from
+        the prefix cache, in order, until the listener drains it."""
+        self.registered: list[KVBlock] | None = None
+        """When a list (a write-through host tier listens): each block newly cached."""
+        self.protected: set[bytes] = set()
+        """Hashes a waiting request is about to hit: evicted only when no other free block
+        is left (queue-aware eviction; empty: plain LRU)."""
+        self.num_protected_skips = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,7 +124,7 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` free blocks (ref_cnt 1), evicting their cached hashes."""
-        out = self.free_queue.popleft_n(n)
+        out = self._pick_protected(n) if self.protected else self.free_queue.popleft_n(n)
         cached = self.cached
         for block in out:
             h = block.block_hash
@@ -124,8 +133,49 @@ class BlockPool:
                     del cached[h]
                 block.block_hash = None
                 self.num_evictions += 1
+                if self.evicted is not None:
+                    self.evicted.append((h, block.block_id))
             block.ref_cnt = 1
         return out
+
+    def _pick_protected(self, n: int) -> list[KVBlock]:
+        """The ``n`` least recently freed blocks, passing over protected ones while others
+        are left. NOTE: bounded: it walks at most ``n`` + len(protected) queue entries."""
+        queue, protected = self.free_queue, self.protected
+        if n > queue.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {queue.num_free} free")
+        out: list[KVBlock] = []
+        kept: list[KVBlock] = []
+        budget = n + len(protected)
+        for block in queue:
+            if len(out) == n or budget <= 0:
+                break
+            budget -= 1
+            if block.block_hash is not None and block.block_hash in protected:
+                kept.append(block)
+            else:
+                out.append(block)
+        if len(out) < n:
+            # NOTE: not enough unprotected blocks in reach: LRU order among the rest.
+            chosen = {b.block_id for b in out}
+            for block in queue:
+                if len(out) == n:
+                    break
+                if block.block_id not in chosen:
+                    out.append(block)
+        else:
+            self.num_protected_skips += len(kept)
+        for block in out:
+            queue.remove(block)
+        return out
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's prefix-cache entry (its KV may never have been written)."""
+        h = block.block_hash
+        if h is not None:
+            if self.cached.get(h) is block:
+                del self.cached[h]
+            block.block_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add one owner to each block, reviving cached free ones out of the free queue."""
@@ -158,6 +208,8 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached:
             self.cached[block_hash] = block
             block.block_hash = block_hash
+            if self.registered is not None:
+                self.registered.append(block)
 
     def check_invariants(self, owners: dict[int, int]) -> None:
         """Assert pool consistency. ``owners`` maps block_id -> number of owning requests."""

@@ -255,9 +255,11 @@ class FastForward:
         as far as the state and the policy go (the blocks are checked with the steps).
 
         NOTE: relies on the invariant ``check_invariants`` asserts after every step: a
-        running request not in ``_prefilling`` has no prompt tokens left, so it decodes."""
+        running request not in ``_prefilling`` has no prompt tokens left, so it decodes.
+        And on plain LRU eviction with no host tier (``KVCacheManager.plain_lru``): the
+        proof replays evictions and registrations, not stores, loads or protection."""
         if (self._step is not None or self.recorder is not None or self.swapped
-                or self._unforked or not self.running):
+                or self._unforked or not self.running or not self.kv.plain_lru):
             return False
         policy = self.policy
         if policy.token_cap is not None or policy.on_step is not None:

@@ -51,9 +51,11 @@ class SchedulerOutput:
     """What to run in one step.
 
     NOTE: executors apply, in this order: forget ``finished_request_ids`` and the
-    recompute-preempted ids in ``preempted_request_ids``, ``blocks_to_swap_out``,
-    ``blocks_to_swap_in``, ``blocks_to_copy``, then the forward pass. A step never has both
-    swap-ins and swap-outs, so the two copy lists never touch the same blocks.
+    recompute-preempted ids in ``preempted_request_ids``, ``blocks_to_swap_out`` and
+    ``blocks_to_offload`` (device -> host), ``blocks_to_swap_in`` and ``blocks_to_load``
+    (host -> device), ``blocks_to_copy``, then the forward pass. A step never has both
+    swap-ins and swap-outs, so the two copy lists never touch the same blocks; the prefix
+    host tier pins the host blocks its transfers touch (``kvloop.core.host_tier``).
     """
 
     step: int
@@ -69,6 +71,15 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) device blocks to duplicate: the partial last prompt block of
     a sequence group, copied for each sibling forked from it (copy on write)."""
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host block) pairs to copy device -> host: prefix blocks stored in the
+    prefix cache's host tier."""
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, device block) pairs to copy host -> device: prefix hits in the host
+    tier loaded back instead of recomputed."""
+    kv_load_choices: list[tuple[str, str, int]] = field(default_factory=list)
+    """(request_id, ``load`` or ``recompute``, host blocks) for admissions whose prefix
+    continued in the host tier: what the scheduler chose (executors ignore it)."""
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests finished or aborted since the previous step: drop their state."""
     preempted_request_ids: list[str] = field(default_factory=list)

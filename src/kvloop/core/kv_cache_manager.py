@@ -9,28 +9,37 @@ from __future__ import annotations
 
 from kvloop.config import CacheConfig
 from kvloop.core.block_pool import BlockPool, KVBlock
+from kvloop.core.kv_offload import HostHit, KVOffload
 from kvloop.core.prefix_hash import HashMemo
 from kvloop.core.request import Request
 
 
-class KVCacheManager:
-    """Paged KV allocation for requests, with prefix caching and a host swap tier."""
+class KVCacheManager(KVOffload):
+    """Paged KV allocation for requests, with prefix caching and a host tier shared by swap
+    preemption and (optionally) the prefix cache's second level (``kv_offload``)."""
 
     def __init__(self, cache_config: CacheConfig) -> None:
         self.block_size = cache_config.block_size
         self.num_gpu_blocks = cache_config.num_gpu_blocks
-        self.num_cpu_blocks = cache_config.num_cpu_blocks
+        self.num_cpu_blocks = cache_config.num_cpu_blocks + (
+            cache_config.kv_offload_blocks if cache_config.enable_prefix_caching else 0)
+        """Host blocks in all: swap space plus the prefix cache's host tier."""
         self.enable_caching = cache_config.enable_prefix_caching
         self.pool = BlockPool(cache_config.num_gpu_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         """Device block table per running request, in token order."""
         self._num_registered: dict[str, int] = {}
         """How many leading blocks of each request were offered to the prefix cache."""
-        self.cpu_free: list[int] = list(range(cache_config.num_cpu_blocks - 1, -1, -1))
         self.swapped_blocks: dict[str, list[int]] = {}
         """Host block table per swapped-out request."""
         self._hashes = HashMemo()
         """Hashes computed before, for requests that repeat a prompt or its outputs."""
+        self._init_offload(cache_config)
+
+    @property
+    def cpu_free(self) -> list[int]:
+        """Free host blocks."""
+        return self.host.free
 
     # -- sizes -----------------------------------------------------------------------
     @property
@@ -47,7 +56,7 @@ class KVCacheManager:
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self.cpu_free)
+        return len(self.host.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -92,6 +101,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.host_prefix and len(hits) < limit:
+            # NOTE: the chain goes on in the host tier (``HostHit``s after the device hits)
+            hits.extend(self._host_hits(request, hashes, len(hits), limit))  # type: ignore
         return hits
 
     def commit_computed(self, requests: list[Request]) -> None:
@@ -208,16 +220,25 @@ class KVCacheManager:
         need -= have + len(hits)
         # Cached free blocks revived by a hit leave the free queue too.
         revive = sum(1 for b in hits if b.ref_cnt == 0)
-        if max(need, 0) + revive > self.pool.free_queue.num_free:
+        num_device = len(hits)
+        if self.host_prefix:
+            num_device -= sum(1 for b in hits if type(b) is HostHit)
+        # NOTE: a host hit takes a fresh device block to load into.
+        if max(need, 0) + revive + len(hits) - num_device > self.pool.free_queue.num_free:
             return None
         if blocks is None:
             blocks = self.req_blocks[rid] = []
             # NOTE: every request with a device table has an entry (commit_computed).
             self._num_registered[rid] = len(hits)
+            if self.host_prefix:
+                self._note_admission(request, num_device)
         new: list[KVBlock] = []
         if hits:
-            self.pool.touch(hits)
-            new.extend(hits)
+            device = hits if num_device == len(hits) else hits[:num_device]
+            self.pool.touch(device)  # NOTE: first: loads must not evict these hits
+            new.extend(device)
+            if num_device < len(hits):
+                new.extend(self._load_hits(request, list(hits), num_device))
         if need > 0:
             new.extend(self.pool.get_new_blocks(need))
         blocks.extend(new)
@@ -286,15 +307,17 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, None)
         self._num_registered.pop(rid, None)
+        if self._choices:
+            self._choices.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
         host = self.swapped_blocks.pop(rid, None)
         if host:
-            self.cpu_free.extend(host)
+            self.host.release(host)
 
     # -- swapping --------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.req_blocks.get(request.request_id, ())) <= len(self.cpu_free)
+        return self.host.can_take(len(self.req_blocks.get(request.request_id, ())))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to the host tier; return (device, host) copy pairs.
@@ -302,11 +325,11 @@ class KVCacheManager:
         The device blocks are released; their prefix hashes stay cached until evicted.
         """
         rid = request.request_id
-        if len(self.req_blocks[rid]) > len(self.cpu_free):
+        if not self.host.can_take(len(self.req_blocks[rid])):
             raise RuntimeError(f"host tier cannot hold {rid}")
         blocks = self.req_blocks.pop(rid)
         self._num_registered.pop(rid, None)
-        host = [self.cpu_free.pop() for _ in blocks]
+        host = self.host.take(len(blocks))
         self.swapped_blocks[rid] = host
         pairs = [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
         self.pool.free_blocks(reversed(blocks))
@@ -316,7 +339,7 @@ class KVCacheManager:
         """Forget a swapped-out request's host copy (a failed step may never have written
         it); returns how many host blocks were released."""
         host = self.swapped_blocks.pop(request.request_id)
-        self.cpu_free.extend(host)
+        self.host.release(host)
         return len(host)
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
@@ -333,7 +356,9 @@ class KVCacheManager:
         blocks = self.pool.get_new_blocks(len(host))
         self.req_blocks[rid] = blocks
         self._num_registered[rid] = 0
-        self.cpu_free.extend(host)
+        # NOTE: with a prefix host tier, a store of this step could take these blocks
+        # before the swap-in read them: they are free once the step ran.
+        self.host.release(host, deferred=self.host_prefix)
         return [(h, b.block_id) for h, b in zip(host, blocks, strict=True)]
 
     # -- checks ----------------------------------------------------------------------
@@ -345,7 +370,5 @@ class KVCacheManager:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
         self.pool.check_invariants(owners)
         host = [h for t in self.swapped_blocks.values() for h in t]
-        assert len(host) == len(set(host)), "a host block has two owners"
-        assert not set(host) & set(self.cpu_free), "a host block is free and owned"
-        assert len(host) + len(self.cpu_free) == self.num_cpu_blocks, "host blocks leaked"
+        self.host.check_invariants(host)
         assert not set(self.req_blocks) & set(self.swapped_blocks), "request on both tiers"

@@ -232,6 +232,7 @@ class Preemption:
 
     def _abandon(self, b: StepBuilder, error: str) -> list[Request]:
         failed = []
+        self.kv.abandon_transfers()  # NOTE: loads and stores of the step may not have run
         # NOTE: swapped-in requests too, even if a failed schedule() did not charge them yet.
         for rid in dict.fromkeys([*b.scheduled, *b.pinned]):
             req = self.requests.get(rid)

@@ -210,6 +210,10 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             if cap is not None and cap < budget:
                 budget = max(1, cap)
         b = self._step = StepBuilder(budget, self.clock())
+        kv = self.kv
+        if not kv.plain_lru:
+            kv.begin_step()
+            kv.protect(self.waiting)
         if self.recorder is not None:
             b.decisions = Decisions(self.kv.num_used_blocks)
         try:
@@ -260,6 +264,9 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             preempted_request_ids=[rid for rid, _ in b.preempted],
             swapped_out_request_ids=[rid for rid, mode in b.preempted if mode == "swap"],
         )
+        if not self.kv.plain_lru:
+            out.blocks_to_load, out.blocks_to_offload, out.kv_load_choices = (
+                self.kv.take_transfers())
         self._finished_ids = []
         return out
 

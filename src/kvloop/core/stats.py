@@ -82,6 +82,14 @@ class StepRecord:
     """Host (CPU swap tier) blocks holding swapped-out requests after the step."""
     num_host_blocks: int = 0
 
+    num_blocks_loaded: int = 0
+    """Prefix blocks loaded host -> device (the prefix cache's host tier)."""
+    num_blocks_offloaded: int = 0
+    """Prefix blocks stored device -> host."""
+    kv_load_choices: list[tuple[str, str, int]] = field(default_factory=list)
+    """(request_id, ``load`` or ``recompute``, host blocks) for admissions whose prefix
+    continued in the host tier: the scheduler's choice by the load and prefill costs."""
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
@@ -92,6 +100,8 @@ class StepRecord:
         d["preempted"] = [tuple(p) for p in d["preempted"]]
         d["finished"] = [tuple(p) for p in d["finished"]]
         d["arrived"] = [tuple(p) for p in d["arrived"]]
+        if "kv_load_choices" in d:
+            d["kv_load_choices"] = [tuple(p) for p in d["kv_load_choices"]]
         return cls(**d)
 
 

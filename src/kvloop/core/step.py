@@ -170,4 +170,7 @@ def build_step_record(
         kv_cached_blocks=cached,
         host_blocks_used=host_used,
         num_host_blocks=host_total,
+        num_blocks_loaded=len(out.blocks_to_load),
+        num_blocks_offloaded=len(out.blocks_to_offload),
+        kv_load_choices=out.kv_load_choices,
     )
