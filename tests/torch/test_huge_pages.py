@@ -96,6 +96,8 @@ def test_nothing_moves_without_huge_pages(monkeypatch: pytest.MonkeyPatch, tmp_p
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loaded_cpu_model_streams_from_one_mapping(llama_model, dtype: torch.dtype) -> None:
     _, model = load_model(llama_model.path, dtype=dtype, device=torch.device("cpu"))
+    model.adopt_moved_weights(wait=True)
+    assert model.weights_move is None
     tensors = [t for t in model.streamed_tensors() if not t.is_mkldnn]
     ptrs = [t.data_ptr() for t in tensors]
     assert ptrs[0] % huge_page_bytes() == 0, "the first layer's norm does not open the mapping"
@@ -171,3 +173,41 @@ def test_the_cpu_kv_pool_is_zero_filled_and_populated() -> None:
     assert cache.layers[1].shape == (2, 64, 16, 2, 32)
     cache.copy([(0, 1)])  # the pool is an ordinary tensor to the copies
     cache.swap_out([(3, 0)])
+
+
+@needs_huge_pages
+def test_weights_move_after_start_up_without_changing_outputs(llama_model, monkeypatch) -> None:
+    import threading
+
+    from kvloop.engine.args import EngineArgs
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.sampling_params import SamplingParams
+
+    gate, copy = threading.Event(), huge_pages.HugePageMove.copy
+    monkeypatch.setattr(huge_pages.HugePageMove, "copy",
+                        lambda self: (gate.wait(60), copy(self))[1])
+    engine = LLMEngine.from_args(EngineArgs(
+        model=str(llama_model.path), dtype="bfloat16", device="cpu", block_size=4,
+        num_gpu_blocks=64, swap_space=0.0, max_model_len=256, skip_tokenizer_init=True,
+        max_num_batched_tokens=64))
+    model = engine.executor.model
+    move = model.weights_move
+    assert move is not None and move.nbytes > 0  # start-up did not wait for the copy
+
+    def greedy(rid: str) -> list[int]:
+        engine.add_request(rid, [1, 5, 9, 13, 17],
+                           SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    return list(out.token_ids)
+        raise AssertionError("no output")
+
+    before = greedy("a")  # on the weights as loaded
+    assert model.weights_move is move
+    gate.set()
+    move._thread.join(60)  # an idle engine: the copy thread swaps the copies in itself
+    assert model.weights_move is None
+    ptrs = [t.data_ptr() for t in model.streamed_tensors() if not t.is_mkldnn]
+    assert ptrs == sorted(ptrs) and ptrs[0] % huge_page_bytes() == 0
+    assert greedy("b") == before

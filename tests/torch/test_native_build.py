@@ -115,3 +115,22 @@ def test_a_finished_build_loads_from_a_cache_it_cannot_write(tmp_path: Path) -> 
     proc = _python({"KVLOOP_CACHE_DIR": str(tmp_path / "cache")})
     assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-800:]
 
+
+
+def test_a_loader_failure_over_a_finished_build_is_not_a_failed_build(tmp_path: Path) -> None:
+    """torch's loader failing over a finished build (here: its lock file removed under it, as
+    a concurrent process can) imports the build and leaves no ``build-failed.txt``, which
+    would turn the kernels off for every later process."""
+    built = Path(KERNELS.__file__)
+    copy = tmp_path / "cache" / "native" / built.parent.name
+    copy.mkdir(parents=True)
+    (copy / built.name).write_bytes(built.read_bytes())
+    code = ("import torch.utils.cpp_extension as ext\n"
+            "def load(**kw): raise FileNotFoundError(2, 'No such file', kw['build_directory'] "
+            "+ '/lock')\n"
+            "ext.load = load\n" + LOAD)
+    proc = subprocess.run([sys.executable, "-c", code],
+                          env={**os.environ, "KVLOOP_CACHE_DIR": str(tmp_path / "cache")},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-800:]
+    assert not (copy / "build-failed.txt").exists()

@@ -61,9 +61,10 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
         assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without it"
         pytest.skip("no bf16_linear here: no DecodeLayers for bfloat16 matrices")
     assert model.decode_layers is not None
-    # NOTE: a matrix changed in place after loading, which moved the weights (huge pages,
-    # where the OS offers them) after the model built its DecodeLayers: the one call must
-    # read the weights where they are now (the loader builds it again), with their new values.
+    # NOTE: a matrix changed in place after the weights moved (onto huge pages, where the OS
+    # offers them) after the model built its DecodeLayers: the one call must read the
+    # weights where they are now (the move builds it again), with their new values.
+    model.adopt_moved_weights(wait=True)
     weights = model.layers[-1].gate_up.native_operands[1][0]
     weights.copy_(weights.flip(0))
     prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61], [1, 2, 3]]
@@ -83,6 +84,7 @@ def _one_call_then_python_loop(runner: object, prompts: list[list[int]], steps: 
     """``prompts`` driven ``steps`` steps through the model's one call (counted), then again
     through the Python loop forced to the same tokens: the counter and each run's logits."""
     model = runner.model  # type: ignore[attr-defined]
+    model.adopt_moved_weights(wait=True)  # NOTE: no move replaces the counter midway
     counting = Counting(model.decode_layers)
     model.decode_layers = counting
     recorder = LogitRecorder(runner, monkeypatch)

@@ -8,10 +8,10 @@ to an anonymous mapping advised ``MADV_HUGEPAGE`` where
 ``always``; torch's own allocator asks for them only under ``THP_MEM_ALLOC_ENABLE=1``, set
 before torch is imported, which a library cannot rely on.
 
-:func:`move_to_huge_pages` copies a model's packed weights into one such mapping, in the
-order a step reads them. Measured on a 2-core Zen 4 VM (``docs/native-kernels.md``,
-fourteenth round): the default model's int4 decode step at batch 1 took 0.92x its time on
-4 KiB pages.
+:class:`HugePageMove` copies a model's packed weights into one such mapping, in the
+order a step reads them, on a background thread; the engine swaps them in between two
+steps. Measured on a 2-core Zen 4 VM: the default model's int4 decode step at batch 1 took
+0.92x its time on 4 KiB pages.
 
 :func:`zeroed_cpu_tensor` gives the KV cache zeroed memory at once: an anonymous mapping
 (zero-filled by the OS, advised ``MADV_HUGEPAGE`` where offered) whose pages a background
@@ -28,7 +28,7 @@ import logging
 import mmap
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -83,58 +83,120 @@ def _movable(t: Tensor) -> bool:
             and t.untyped_storage().nbytes() == t.nbytes)
 
 
-def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
-    """Moves the data of ``tensors`` into one private anonymous mapping advised
-    ``MADV_HUGEPAGE``, back to back in the order given (each :data:`ALIGN`-aligned), with
-    ``Tensor.set_``: every holder of those tensor objects sees the moved data, values
-    unchanged. Tensors that are not :func:`_movable` stay where they are; tensors over one
-    storage move together (one copy). Returns the bytes moved: 0 where the OS offers no
-    huge pages (:func:`huge_pages_offered`), refuses the mapping (logged) or nothing is
-    movable.
+class HugePageMove:
+    """The data of some tensors copied into one private anonymous mapping advised
+    ``MADV_HUGEPAGE``, back to back in the order given (each :data:`ALIGN`-aligned), then
+    swapped in with ``Tensor.set_`` (:meth:`apply`): every holder of those tensor objects
+    sees the moved data, values unchanged. Tensors that are not :func:`_movable` stay where
+    they are; tensors over one storage move together (one copy).
 
-    NOTE: the mapping lives as long as any moved tensor does (each holds it through its
-    storage); the old storages are freed as the moves go unless something else holds them.
-    Where no huge page is free when a page is first touched, Linux may compact memory to
-    make one or else hands out a base page: the values are the same either way.
+    :meth:`start` makes the copies on a background thread at the lowest CPU priority, so
+    that start-up does not wait for them (faulting in and filling a few hundred MB of huge
+    pages took 1.3 s of the default model's start-up on a 2-core Sapphire Rapids VM); the
+    model applies the move between two forwards once :attr:`ready`.
+
+    NOTE: the tensors must not change while the copies are made (weights, after loading).
+    The mapping lives as long as any moved tensor does (each holds it through its storage);
+    the old storages are freed at :meth:`apply` unless something else holds them, so until
+    then the moved weights take twice their memory. Where no huge page is free when a page
+    is first touched, Linux may compact memory to make one or else hands out a base page:
+    the values are the same either way.
     """
-    offsets: dict[int, int] = {}  # storage address -> its copy's offset in the mapping
-    # id -> (tensor, its copy's offset, whether it is the first over its storage)
-    moving: dict[int, tuple[Tensor, int, bool]] = {}
-    total = 0
-    for t in tensors:
-        if id(t) in moving or not _movable(t):
-            continue
-        key = t.untyped_storage().data_ptr()
-        first = key not in offsets
-        if first:
-            offsets[key] = total
-            total += -(-t.nbytes // ALIGN) * ALIGN
-        moving[id(t)] = (t, offsets[key], first)
-    if not moving or not huge_pages_offered():
-        return 0
-    page = huge_page_bytes()
-    # NOTE: private, not shared: Linux gives shared anonymous memory huge pages only under
-    # its separate shmem setting (usually never). Advised before any page is touched, so
-    # that the copies below fault in huge pages.
-    try:
-        area = mmap.mmap(-1, total + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        area.madvise(mmap.MADV_HUGEPAGE)
-    except OSError as exc:  # NOTE: e.g. an address-space limit: the weights stay as they are
-        logger.warning("weights stay on the OS's base pages: %s", exc)
-        return 0
-    raw = torch.frombuffer(area, dtype=torch.uint8)
-    start = -raw.data_ptr() % page
-    for t, offset, first in moving.values():
-        at = start + offset
-        view = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
-        if first:
-            view.copy_(t)
-        # NOTE: a tensor made under inference mode is only changed in place under it, and a
-        # leaf that requires grad only under no_grad (inner: inference_mode(False) turns
-        # grad mode back on).
-        with torch.inference_mode(t.is_inference()), torch.no_grad():
-            t.set_(view)
-    return total
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        offsets: dict[int, int] = {}  # storage address -> its copy's offset in the mapping
+        # id -> (tensor, its copy's offset, whether it is the first over its storage)
+        moving: dict[int, tuple[Tensor, int, bool]] = {}
+        total = 0
+        for t in tensors:
+            if id(t) in moving or not _movable(t):
+                continue
+            key = t.untyped_storage().data_ptr()
+            first = key not in offsets
+            if first:
+                offsets[key] = total
+                total += -(-t.nbytes // ALIGN) * ALIGN
+            moving[id(t)] = (t, offsets[key], first)
+        self._moving = list(moving.values()) if huge_pages_offered() else []
+        self.nbytes = total if self._moving else 0
+        """Bytes the move takes: 0 where the OS offers no huge pages or nothing is movable."""
+        self._views: list[tuple[Tensor, Tensor]] | None = None
+        self._thread: threading.Thread | None = None
+
+    def copy(self) -> None:
+        """Make the copies (on the calling thread). A refused mapping is logged, and the
+        move then moves nothing."""
+        if not self._moving:
+            self._views = []
+            return
+        page = huge_page_bytes()
+        # NOTE: private, not shared: Linux gives shared anonymous memory huge pages only
+        # under its separate shmem setting (usually never). Advised before any page is
+        # touched, so that the copies below fault in huge pages.
+        try:
+            area = mmap.mmap(-1, self.nbytes + page,
+                             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as exc:  # NOTE: e.g. an address-space limit: the weights stay
+            logger.warning("weights stay on the OS's base pages: %s", exc)
+            self._views, self.nbytes = [], 0
+            return
+        raw = torch.frombuffer(area, dtype=torch.uint8)
+        start = -raw.data_ptr() % page
+        views = []
+        for t, offset, first in self._moving:
+            at = start + offset
+            view = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
+            if first:
+                view.copy_(t)
+            views.append((t, view))
+        self._views = views
+
+    def start(self, then: Callable[[], None] | None = None) -> HugePageMove:
+        """Make the copies on a background thread at the lowest CPU priority, then call
+        ``then`` (on that thread)."""
+        def run() -> None:
+            lowest_priority()
+            self.copy()
+            if then is not None:
+                then()
+
+        self._thread = threading.Thread(target=run, daemon=True, name="kvloop-huge-pages")
+        self._thread.start()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        """Whether the copies are made (:meth:`apply` then does not wait)."""
+        return self._views is not None
+
+    def apply(self) -> int:
+        """Point every tensor at its copy (making the copies first, or waiting for the
+        thread making them); returns the bytes moved (0 where the copy failed). Never while
+        something reads the tensors (kernels holding raw pointers, such as
+        ``DecodeLayers``, are rebuilt after).
+
+        NOTE: ``_views`` is set once, when every copy is made."""
+        if self._views is None:
+            if self._thread is None:
+                self.copy()
+            elif self._thread is not threading.current_thread():
+                self._thread.join()
+        views = self._views or []
+        for t, view in views:
+            # NOTE: a tensor made under inference mode is only changed in place under it,
+            # and a leaf that requires grad only under no_grad (inner: inference_mode(False)
+            # turns grad mode back on).
+            with torch.inference_mode(t.is_inference()), torch.no_grad():
+                t.set_(view)
+        self._views, self._moving = [], []
+        return self.nbytes if views else 0
+
+
+def move_to_huge_pages(tensors: Sequence[Tensor]) -> int:
+    """Move ``tensors``' data onto huge pages now (:class:`HugePageMove`, copied on the
+    calling thread); returns the bytes moved."""
+    return HugePageMove(tensors).apply()
 
 
 def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype,

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from kvloop.executor.torch.huge_pages import move_to_huge_pages
+from kvloop.executor.torch.huge_pages import HugePageMove
 from kvloop.executor.torch.models import ModelConfig, get_model_class
 from kvloop.executor.torch.models.llama import LlamaForCausalLM
 from kvloop.executor.torch.native import cpu_flags
@@ -123,8 +123,9 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Parse the folder's config and build its model on ``device`` in ``dtype`` (layer
-    matrices quantised when ``quantization`` is given; on CPU its streamed weights on huge
-    pages where the OS offers them)."""
+    matrices quantised when ``quantization`` is given; on CPU its streamed weights copied
+    onto huge pages in the background where the OS offers them: ``model.weights_move``,
+    which the model runner applies between two steps)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
@@ -141,10 +142,8 @@ def load_model(
         model = cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
-    # NOTE: DecodeLayers reads the weights where they were when built, and keeps that memory
-    # alive: dropped before the move (which frees each old copy as it goes), built again after.
-    had_decode_layers, model.decode_layers = model.decode_layers is not None, None
-    move_to_huge_pages(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
-    if had_decode_layers:
-        model.decode_layers = model.build_decode_layers()
+    move = HugePageMove(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
+    if move.nbytes:
+        model.weights_move = move
+        model.start_weights_move()
     return config, model

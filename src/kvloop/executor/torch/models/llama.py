@@ -17,6 +17,7 @@ runs (``linear.HEAD_QUANTIZATION``, as llama.cpp's 4-bit files keep it).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ from kvloop.executor.torch.linear import (
 )
 
 if TYPE_CHECKING:
+    from kvloop.executor.torch.huge_pages import HugePageMove
     from kvloop.executor.torch.models import ModelConfig
 
 
@@ -122,17 +124,55 @@ class LlamaForCausalLM:
         with the KV write, SiLU·up), rounding where torch's ops round (bfloat16) or in
         float32 throughout (float32: torch's results up to float32 rounding; greedy outputs
         matched transformers' in the parity tests)."""
+        self.weights_move: HugePageMove | None = None
+        """The streamed weights' copy onto huge pages until it is applied (the loader makes
+        it, :meth:`start_weights_move` starts it, :meth:`adopt_moved_weights` applies it)."""
+        self._forward_lock = threading.Lock()
         self.decode_layers = self.build_decode_layers() if self.fused_ops else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the same kernels as
         :meth:`_fused_layers`, without Python between them)."""
+
+    def start_weights_move(self) -> None:
+        """Start copying the streamed weights onto huge pages (:attr:`weights_move`) in the
+        background; once copied they are swapped in at once if no forward is running, else
+        by the next forward before it starts."""
+        def adopt_if_idle() -> None:
+            if self._forward_lock.acquire(blocking=False):
+                try:
+                    self._adopt(False)
+                finally:
+                    self._forward_lock.release()
+
+        if self.weights_move is not None:
+            self.weights_move.start(adopt_if_idle)
+
+    def adopt_moved_weights(self, wait: bool = False) -> None:
+        """Point the weights at their huge-page copies (:attr:`weights_move`) once they are
+        made (``wait``: now), and rebuild ``DecodeLayers`` over them. Never during a forward.
+
+        NOTE: DecodeLayers reads the weights where they were when built, and keeps that
+        memory alive: dropped before the move (so the old copies are freed), built after."""
+        with self._forward_lock:
+            self._adopt(wait)
+
+    def _adopt(self, wait: bool) -> None:
+        """:meth:`adopt_moved_weights`, the forward lock held."""
+        move = self.weights_move
+        if move is None or not (wait or move.ready):
+            return
+        self.weights_move = None
+        had_decode_layers, self.decode_layers = self.decode_layers is not None, None
+        move.apply()
+        if had_decode_layers:
+            self.decode_layers = self.build_decode_layers()
 
     def build_decode_layers(self) -> object | None:
         """A ``native.DecodeLayers`` over the layers' current weights, or None where a layer
         matrix is not in kvloop's kernels.
 
         NOTE: it reads the weights' memory as it is now: build it again after moving them
-        (as the loader does after :func:`~kvloop.executor.torch.huge_pages.move_to_huge_pages`)."""
+        (as :meth:`adopt_moved_weights` does)."""
         cfg, norms, matrices = self.config, [], []
         for layer in self.layers:
             norms += [layer.input_norm, layer.post_norm]
@@ -275,6 +315,13 @@ class LlamaForCausalLM:
         """Compute the step's tokens ([T] ids at [T] positions), writing their K/V into the
         per-layer caches; return float32 logits [N, vocab] of the rows ``logits_indices``
         (None: of every row, as in a step of decodes only)."""
+        with self._forward_lock:  # NOTE: the weights do not move during a forward
+            if self.weights_move is not None:
+                self._adopt(False)
+            return self._forward(input_ids, positions, kv_layers, meta, logits_indices)
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, kv_layers: list[Tensor],
+                 meta: AttentionMetadata, logits_indices: Tensor | None) -> Tensor:
         cfg = self.config
         eps = cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]

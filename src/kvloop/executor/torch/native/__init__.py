@@ -220,6 +220,10 @@ def _build_and_load(build_spec: Build) -> ModuleType:
                           extra_cflags=list(build_spec.cflags), extra_ldflags=["-fopenmp"],
                           build_directory=str(build), verbose=False)
         except Exception as exc:
+            if not fresh:  # NOTE: not the compiler (e.g. torch's lock file gone under it)
+                log.info("kvloop's CPU kernels: torch's loader failed (%s); importing the "
+                         "finished build", exc)
+                return _import(built, build_spec.name)
             failed.write_text(f"{_COMPILER}{_fingerprint(compiler)}\n"
                               f"{type(exc).__name__}: {exc}\n")
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
