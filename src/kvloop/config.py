@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 PreemptionMode = Literal["recompute", "swap"]
-SchedulingPolicy = Literal["fcfs", "priority", "slo", "fair"]
+SchedulingPolicy = Literal["fcfs", "priority", "slo", "fair", "sjf", "mlfq", "balanced"]
+LengthPredictorName = Literal["oracle", "noisy", "history"]
 SloOverload = Literal["defer", "reject"]
 SchedulingOrder = Literal["decode-first", "prefill-first"]
 OffloadWritePolicy = Literal["write_back", "write_through"]
@@ -41,7 +42,10 @@ class SchedulerConfig:
     (lower value first, aged by ``aging_s``; a waiting request may preempt less urgent
     running ones); ``slo`` (earliest TTFT deadline first, prefill capped so running
     decodes keep their TPOT, late requests deferred or rejected); ``fair`` (per-tenant
-    fair share, the Virtual Token Counter)."""
+    fair share, the Virtual Token Counter); ``sjf`` (shortest predicted work first, aged
+    by ``aging_s``); ``mlfq`` (skip-join multi-level feedback queue, aged by ``aging_s``);
+    ``balanced`` (``slo``'s deadlines, ordered by predicted length among near deadlines,
+    within ``fair``'s shares)."""
     slo_ttft: float | None = None
     """Default TTFT target in seconds (requests may carry their own). Required by ``slo``."""
     slo_tpot: float | None = None
@@ -58,6 +62,13 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()
     """Under ``fair``: ``(tenant, weight)`` pairs; a tenant's share of service is
     proportional to its weight (default 1)."""
+    length_predictor: LengthPredictorName = "history"
+    """Where ``sjf`` and ``balanced`` get output lengths (``kvloop.core.policies.predict``):
+    ``oracle`` (``max_tokens``: the true length in the simulator), ``noisy`` (the oracle
+    with noise for Kendall's tau ``predictor_tau``) or ``history`` (learned from finished
+    requests by tenant and prompt length; usable in the engine)."""
+    predictor_tau: float = 0.5
+    """Kendall's tau the ``noisy`` predictor aims at, in [0, 1]."""
     cost_aware_preemption: bool = True
     """Save the work preemption throws away (``kvloop.core.preemption``): admission keeps
     free blocks for the running requests' unfinished prompts and their next 64 tokens each,
@@ -82,20 +93,27 @@ class SchedulerConfig:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        _choice("policy", self.policy, ("fcfs", "priority", "slo", "fair"))
+        _choice("policy", self.policy,
+                ("fcfs", "priority", "slo", "fair", "sjf", "mlfq", "balanced"))
+        _choice("length_predictor", self.length_predictor, ("oracle", "noisy", "history"))
+        if not (isinstance(self.predictor_tau, (int, float)) and 0 <= self.predictor_tau <= 1):
+            raise ValueError(
+                f"predictor_tau must be a number in [0, 1], got {self.predictor_tau!r}")
         _choice("slo_overload", self.slo_overload, ("defer", "reject"))
         _positive("max_preemptions", self.max_preemptions)
         for name in ("slo_ttft", "slo_tpot"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value < 1e9):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.policy == "slo" and self.slo_ttft is None:
-            raise ValueError("policy 'slo' needs a default TTFT target: set slo_ttft (--slo-ttft)")
+        if self.policy in ("slo", "balanced") and self.slo_ttft is None:
+            raise ValueError(f"policy {self.policy!r} needs a default TTFT target: set "
+                             "slo_ttft (--slo-ttft)")
         if not (isinstance(self.aging_s, (int, float)) and 0 <= self.aging_s < 1e9):
             raise ValueError(
                 f"aging_s (--aging) must be a number of seconds >= 0, got {self.aging_s!r}")
-        if self.policy == "slo" and self.aging_s <= 0:
-            raise ValueError("policy 'slo' needs aging_s (--aging) > 0 (the starvation bound)")
+        if self.policy in ("slo", "balanced") and self.aging_s <= 0:
+            raise ValueError(f"policy {self.policy!r} needs aging_s (--aging) > 0 (the "
+                             "starvation bound)")
         for item in self.tenant_weights:
             if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
                     or not isinstance(item[1], (int, float)) or not 0 < item[1] < 1e9):

@@ -343,13 +343,13 @@ def test_priority_queue_remove_then_add_again():
 
 # -- policy registry ---------------------------------------------------------------------------
 def _policy(name: str, **kw):
-    if name == "slo":
+    if name in ("slo", "balanced"):
         kw.setdefault("slo_ttft", 1.0)
     return make_policy(SchedulerConfig(policy=name, **kw), lambda: 0.0)
 
 
 def test_make_policy_by_name():
-    assert set(POLICIES) == {"fcfs", "priority", "slo", "fair"}
+    assert set(POLICIES) == {"fcfs", "priority", "slo", "fair", "sjf", "mlfq", "balanced"}
     assert isinstance(_policy("fcfs").waiting, FCFSQueue)
     assert isinstance(_policy("priority").waiting, KeyedQueue)
     for name in POLICIES:
@@ -358,7 +358,7 @@ def test_make_policy_by_name():
 
 @pytest.mark.parametrize("name", ["lifo", "", "FCFS"])
 def test_unknown_policy_name(name):
-    with pytest.raises(ValueError, match="policy must be one of fcfs, priority, slo, fair"):
+    with pytest.raises(ValueError, match="policy must be one of fcfs, priority, slo, fair, sjf"):
         SchedulerConfig(policy=name)
 
 

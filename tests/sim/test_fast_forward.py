@@ -209,6 +209,12 @@ CASES: dict[str, Case] = {
     "slo": Case(lambda: _random(250, 30.0, "16:900", "1:200", seed=9),
                 {"max_model_len": 4096, "policy": "slo", "slo_ttft": 0.5, "slo_tpot": 0.05},
                 {"num_gpu_blocks": 800}, min_share=0.0),
+    "sjf": Case(lambda: _random(250, 30.0, "16:900", "1:200", seed=10),
+                {"max_model_len": 4096, "policy": "sjf", "aging_s": 2.0},
+                {"num_gpu_blocks": 800}, min_share=0.0),
+    "mlfq": Case(lambda: _random(250, 30.0, "16:900", "1:200", seed=11),
+                 {"max_model_len": 4096, "policy": "mlfq", "aging_s": 2.0},
+                 {"num_gpu_blocks": 800}, min_share=0.0),
 }
 
 
@@ -224,7 +230,10 @@ def _scheduler_state(s: Scheduler) -> dict[str, Any]:
     pool = s.kv.pool
     policy = {k: v for k, v in vars(s.policy).items()
               if k not in ("config", "clock", "waiting", "token_cap", "reject", "on_step",
-                           "times")}
+                           "times", "predictor")}
+    predictor = getattr(s.policy, "predictor", None)
+    if predictor is not None:
+        policy["predictor"] = vars(predictor)
     times = getattr(s.policy, "times", None)
     return {
         "stats": asdict(s.stats),

@@ -33,6 +33,8 @@ _SCHEDULER_FLAGS = (
     "slo_overload",
     "aging_s",
     "tenant_weights",
+    "length_predictor",
+    "predictor_tau",
     "cost_aware_preemption",
     "max_preemptions",
 )
@@ -132,12 +134,22 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     )
     g.add_argument("--max-num-partial-prefills", type=int, default=dv["max_num_partial_prefills"])
     g.add_argument(
-        "--scheduling-policy", choices=["fcfs", "priority", "slo", "fair"],
+        "--scheduling-policy",
+        choices=["fcfs", "priority", "slo", "fair", "sjf", "mlfq", "balanced"],
         default=dv["scheduling_policy"],
         help="waiting-queue order: fcfs; priority (aged by --aging); slo (earliest TTFT "
-        "deadline, prefill capped to keep --slo-tpot); fair (per-tenant fair share) "
-        "(default: %(default)s)",
+        "deadline, prefill capped to keep --slo-tpot); fair (per-tenant fair share); sjf "
+        "(shortest predicted work first); mlfq (skip-join multi-level feedback queue); "
+        "balanced (slo's deadlines, shorter first, within fair shares) (default: %(default)s)",
     )
+    g.add_argument("--length-predictor", choices=["oracle", "noisy", "history"],
+                   default=dv["length_predictor"],
+                   help="output lengths for sjf and balanced: oracle (max_tokens), noisy "
+                   "(the oracle at Kendall's tau --predictor-tau), history (learned from "
+                   "finished requests) (default: %(default)s)")
+    g.add_argument("--predictor-tau", type=float, default=dv["predictor_tau"], metavar="TAU",
+                   help="Kendall's tau of the noisy predictor, in [0, 1] (default: "
+                   "%(default)s)")
     g.add_argument("--slo-ttft", type=float, default=dv["slo_ttft"], metavar="SECONDS",
                    help="TTFT target in seconds: what 'slo' schedules for and goodput counts "
                    "(requests may carry their own) (default: none)")

@@ -54,7 +54,8 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     """``recompute`` or ``swap``."""
     scheduling_policy: str = "fcfs"
-    """``fcfs``, ``priority``, ``slo`` or ``fair`` (see ``SchedulerConfig.policy``)."""
+    """``fcfs``, ``priority``, ``slo``, ``fair``, ``sjf``, ``mlfq`` or ``balanced`` (see
+    ``SchedulerConfig.policy``)."""
     slo_ttft: float | None = None
     """Default TTFT target in seconds (``slo`` needs it; goodput counts it)."""
     slo_tpot: float | None = None
@@ -66,6 +67,10 @@ class EngineArgs:
     before a deferred request comes first (``slo``): the starvation bound."""
     tenant_weights: tuple[tuple[str, float], ...] = ()
     """Under ``fair``: ``(tenant, weight)`` pairs (default weight 1)."""
+    length_predictor: str = "history"
+    """Output lengths for ``sjf`` and ``balanced``: ``oracle``, ``noisy`` or ``history``."""
+    predictor_tau: float = 0.5
+    """Kendall's tau the ``noisy`` predictor aims at."""
     cost_aware_preemption: bool = True
     """Pick victims by the work they throw away (see ``SchedulerConfig``); False: newest."""
     max_preemptions: int = 3
@@ -115,6 +120,8 @@ class EngineArgs:
             slo_overload=self.slo_overload,  # type: ignore[arg-type]
             aging_s=self.aging_s,
             tenant_weights=tuple(self.tenant_weights),
+            length_predictor=self.length_predictor,  # type: ignore[arg-type]
+            predictor_tau=self.predictor_tau,
             cost_aware_preemption=self.cost_aware_preemption,
             max_preemptions=self.max_preemptions,
         )

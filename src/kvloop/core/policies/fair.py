@@ -106,7 +106,7 @@ class FairPolicy(Policy):
         """Tenants served in the last step that served anyone (so an idle engine still
         lifts a newcomer to where service stopped)."""
         super().__init__(config, clock)
-        self.on_step = self._charge
+        self.on_step = self.charge
 
     def make_queue(self) -> WaitingQueue:
         return TenantQueues(self)
@@ -127,7 +127,8 @@ class FairPolicy(Policy):
         if counters.get(tenant, 0.0) < floor:
             counters[tenant] = floor
 
-    def _charge(self, out: SchedulerOutput, requests: dict[str, Request], start: float) -> None:
+    def charge(self, out: SchedulerOutput, requests: dict[str, Request], start: float) -> None:
+        """Add one step's service to its tenants' counters."""
         counters, weights = self.counters, self.weights
         active: set[str] = set()
         for rid, n in out.num_scheduled_tokens.items():

@@ -57,17 +57,23 @@ class DeadlineQueue(WaitingQueue):
         for request in requests:
             self.add(request)
 
-    def pop(self) -> Request:
+    def _lane(self) -> KeyedQueue:
+        """The lane whose head goes next (moving requests that became late first)."""
         policy, on_time, late = self._policy, self._on_time, self._late
         now = policy.clock()
         if self._defer:
             while len(on_time) and policy.is_late(on_time.peek(), now):
                 late.add(on_time.pop())
             if len(late) and now >= policy.deadline(late.peek()) + policy.config.aging_s:
-                return late.pop()
-        if len(on_time):
-            return on_time.pop()
-        return late.pop()
+                return late
+        return on_time if len(on_time) else late
+
+    def peek(self) -> Request:
+        """The request ``pop`` would return now."""
+        return self._lane().peek()
+
+    def pop(self) -> Request:
+        return self._lane().pop()
 
     def remove(self, request: Request) -> bool:
         return self._on_time.remove(request) or self._late.remove(request)
