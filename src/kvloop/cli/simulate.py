@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 
 from kvloop.cli.args import add_scheduler_args, scheduler_args_from
+from kvloop.cli.find_goodput import rate_range, run_find_goodput
 from kvloop.cluster.routers import DEFAULT_ROUTER, ROUTERS, check_router
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
@@ -108,6 +109,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic or --workload workload and the mixes "
                    "(default: %(default)s)")
+    w.add_argument("--find-goodput", type=rate_range, default=None, metavar="LO:HI",
+                   help="search LO..HI requests/s (the workload's arrivals rescaled) for "
+                   "DistServe's goodput: the highest rate at which 90%% of requests meet "
+                   "both --slo-ttft and --slo-tpot")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1,
                    help="replicas of this configuration behind one router, on one virtual "
@@ -281,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         warn_beyond(cost.tables, sched)
     workload = build_workload(args, staged)
     check_fits(workload, sched, cache)
+    if args.find_goodput is not None:
+        return run_find_goodput(args, workload, sched, cache, cost)
     progress = not args.no_progress and sys.stderr.isatty()
     replicas = max(args.replicas, args.data_parallel_size)
     if replicas > 1:
