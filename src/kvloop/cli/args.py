@@ -28,6 +28,10 @@ _SCHEDULER_FLAGS = (
     "num_gpu_blocks",
     "gpu_memory_utilization",
     "swap_space",
+    "kv_offload_space",
+    "kv_offload_write_policy",
+    "kv_offload_load",
+    "kv_eviction",
     "slo_ttft",
     "slo_tpot",
     "slo_overload",
@@ -198,6 +202,22 @@ def add_scheduler_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
         help="host swap space per GPU: GiB, or a size with a unit such as 512MiB "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--kv-offload-space", type=size_gib, default=dv["kv_offload_space"], metavar="GIB",
+        help="host memory per GPU for the prefix cache's second tier: blocks leaving the "
+        "device cache are kept there and loaded back on a hit (default: 0, none)",
+    )
+    g.add_argument("--kv-offload-write-policy", choices=["write_back", "write_through"],
+                   default=dv["kv_offload_write_policy"],
+                   help="copy a block to host memory when the device evicts it, or as soon "
+                   "as it is cached (default: %(default)s)")
+    g.add_argument("--kv-offload-load", choices=["auto", "load", "recompute"],
+                   default=dv["kv_offload_load"],
+                   help="host hits: load, recompute, or per request whichever the cost "
+                   "model finds cheaper (default: %(default)s)")
+    g.add_argument("--kv-eviction", choices=["lru", "queue-aware"], default=dv["kv_eviction"],
+                   help="device prefix-cache eviction: lru, or queue-aware (LRU passing over "
+                   "blocks the next waiting requests would hit) (default: %(default)s)")
 
 
 def _quantization(text: str) -> str | None:

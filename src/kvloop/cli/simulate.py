@@ -31,6 +31,7 @@ from kvloop.executor.simulated.tables import StepTables
 from kvloop.sim.cluster import format_cluster, simulate_cluster
 from kvloop.sim.driver import simulate
 from kvloop.sim.inference_perf import StagedWorkload, load_inference_perf
+from kvloop.sim.kv_offload import load_costs, offload_rows, offload_summary
 from kvloop.sim.load import load_note
 from kvloop.sim.metrics import format_table, scheduler_rows
 from kvloop.sim.stages import format_stages, stage_summaries
@@ -143,8 +144,10 @@ def build_configs(
                                     gpu_memory_utilization=ea.gpu_memory_utilization, ep=ep)
     cpu_blocks = num_cpu_blocks(model, block_size=ea.block_size, tp=tp,
                                 swap_space_gib=ea.swap_space)
+    offload = num_cpu_blocks(model, block_size=ea.block_size, tp=tp,
+                             swap_space_gib=ea.kv_offload_space)
     max_len = ea.max_model_len or model.max_position_embeddings
-    return ea.scheduler_config(max_len), ea.cache_config(gpu_blocks, cpu_blocks)
+    return ea.scheduler_config(max_len), ea.cache_config(gpu_blocks, cpu_blocks, offload)
 
 
 def load_staged(args: argparse.Namespace) -> StagedWorkload | None:
@@ -282,6 +285,10 @@ def run(args: argparse.Namespace) -> int:
         budget = cal.num_gpu_blocks * cal.model.kv_block_bytes(cal.block_size)
         ea = replace(ea, num_gpu_blocks=max(1, budget // model.kv_block_bytes(ea.block_size, tp)))
     sched, cache = build_configs(ea, model, hw, tp, cost.ep)
+    if cache.kv_offload_blocks:
+        per_block, latency, per_token = load_costs(cost, cache.block_size)
+        cache = replace(cache, kv_load_s_per_block=per_block, kv_load_latency_s=latency,
+                        kv_recompute_s_per_token=per_token)
     if cost.tables is not None:
         warn_beyond(cost.tables, sched)
     workload = build_workload(args, staged)
@@ -303,6 +310,11 @@ def run(args: argparse.Namespace) -> int:
             if sink is not None:
                 sink.close()
     m = result.metrics
+    kv_offload = m["scheduler"].get("kv_offload")
+    if kv_offload is not None:
+        m["scheduler"]["kv_offload"] = offload_summary(
+            kv_offload, result.requests, cache.block_size,
+            model.kv_block_bytes(cache.block_size, tp))
     m["config"] = {
         "model": model.name, "gpu": hw.name, "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
@@ -328,8 +340,10 @@ def run(args: argparse.Namespace) -> int:
     if replicas > 1:
         print(format_cluster(m, result.wall_time_s))
     else:
-        extra = scheduler_rows(m["scheduler"]) | {
-            "Simulation wall time (s)": f"{result.wall_time_s:.2f}"}
+        extra = scheduler_rows(m["scheduler"])
+        if kv_offload is not None:
+            extra |= offload_rows(m["scheduler"]["kv_offload"])
+        extra["Simulation wall time (s)"] = f"{result.wall_time_s:.2f}"
         print(format_table(m, extra))
     if staged is not None:
         print(format_stages(m["stages"]))

@@ -36,6 +36,15 @@ class EngineArgs:
     """Fraction of CUDA memory kvloop may use (weights + KV cache + activations)."""
     swap_space: float = 4.0
     """Host swap space in GiB for swap preemption."""
+    kv_offload_space: float = 0.0
+    """Host memory in GiB for the prefix cache's second tier (0: none; see
+    ``CacheConfig.kv_offload_blocks``)."""
+    kv_offload_write_policy: str = "write_back"
+    """``write_back`` or ``write_through`` (``CacheConfig.kv_offload_write_policy``)."""
+    kv_offload_load: str = "auto"
+    """``auto``, ``load`` or ``recompute`` for host hits (``CacheConfig.kv_offload_load``)."""
+    kv_eviction: str = "lru"
+    """``lru`` or ``queue-aware`` (``CacheConfig.kv_eviction``)."""
     max_model_len: int | None = None
     """Longest prompt + output; None uses the model's max_position_embeddings."""
     max_num_seqs: int = 256
@@ -126,11 +135,22 @@ class EngineArgs:
             max_preemptions=self.max_preemptions,
         )
 
-    def cache_config(self, num_gpu_blocks: int, num_cpu_blocks: int) -> CacheConfig:
-        """The KV cache's config for the block counts the executor has room for."""
+    def cache_config(self, num_gpu_blocks: int, num_cpu_blocks: int,
+                     kv_offload_blocks: int = 0,
+                     load_costs: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> CacheConfig:
+        """The KV cache's config for the block counts the executor has room for;
+        ``load_costs``: (seconds per block loaded, per load, per prompt token prefilled)."""
+        per_block, latency, per_token = load_costs
         return CacheConfig(
             block_size=self.block_size,
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_offload_blocks=kv_offload_blocks,
+            kv_offload_write_policy=self.kv_offload_write_policy,  # type: ignore[arg-type]
+            kv_offload_load=self.kv_offload_load,  # type: ignore[arg-type]
+            kv_load_s_per_block=per_block,
+            kv_load_latency_s=latency,
+            kv_recompute_s_per_token=per_token,
+            kv_eviction=self.kv_eviction,  # type: ignore[arg-type]
         )

@@ -132,6 +132,7 @@ class LLMEngine:
             block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks,
             swap_space_bytes=int(args.swap_space * (1 << 30)),
+            kv_offload_bytes=int(args.kv_offload_space * (1 << 30)),
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             # NOTE: sized for the largest default budget; the CPU one is at most that.
@@ -150,7 +151,8 @@ class LLMEngine:
             runner.max_num_batched_tokens = budget
         scheduler = Scheduler(
             args.scheduler_config(max_len, default_budget=budget),
-            args.cache_config(runner.num_gpu_blocks, runner.num_cpu_blocks),
+            args.cache_config(runner.num_gpu_blocks, runner.num_cpu_blocks,
+                              runner.num_offload_blocks),
             recorder=recorder,
         )
         eos = frozenset(mc.eos_token_ids)

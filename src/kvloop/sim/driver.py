@@ -317,6 +317,12 @@ def scheduler_summary(*schedulers: Scheduler) -> dict[str, Any]:
     out["kv_usage_mean"] = t["kv_usage_sum"] / steps if steps else 0.0
     out["kv_usage_peak"] = max(s.stats.kv_usage_peak for s in schedulers)
     out["num_gpu_blocks"], out["num_cpu_blocks"] = t["num_gpu_blocks"], t["num_cpu_blocks"]
+    if any(not s.kv.plain_lru for s in schedulers):
+        # NOTE: blocks (device hits counted at every admission, recomputes included)
+        host = [vars(s.kv.host.stats) for s in schedulers]
+        out["kv_offload"] = {key: sum(h[key] for h in host) for key in host[0]}
+        out["kv_offload"]["protected_skips"] = sum(s.kv.pool.num_protected_skips
+                                                   for s in schedulers)
     return out
 
 

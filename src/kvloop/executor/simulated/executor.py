@@ -59,8 +59,17 @@ class SimulatedExecutor:
                     decode_context += p + 1
                 else:
                     chunks.append((c, p))
+        # NOTE: loads of prefix blocks from the host tier are on the step's path (its
+        # attention reads them), as swaps are; stores to it run on the copy engine beside
+        # the step (write-back or write-through, both asynchronous), so they only cost
+        # time when they take longer than the step.
         step_time = self.step_time(num_decodes, decode_context, chunks,
-                                   len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
+                                   len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
+                                   + len(out.blocks_to_load))
+        if out.blocks_to_offload:
+            store = self.cost_model.step_time(0, 0, (), len(out.blocks_to_offload),
+                                              block_size=self.block_size)
+            step_time = max(step_time, store)
         return ModelRunnerOutput(dict.fromkeys(scheduled, _ONE), step_time)
 
     def step_time(self, num_decodes: int, decode_context: int, chunks: list[tuple[int, int]],

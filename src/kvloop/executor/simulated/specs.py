@@ -330,6 +330,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 
 _PCIE4, _PCIE5 = 32e9, 64e9  # x16 line rate per direction (datasheets give both summed)
+_C2C = 450e9  # NVLink-C2C per direction (GH200: 900 GB/s summed)
 
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # mem_bytes: the nvidia-smi "Total" of each card, as printed in many public logs.
@@ -345,6 +346,12 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     ),
     "h200": HardwareSpec(  # H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
         "h200", 989.4e12, 4.8e12, 143771 * MiB, _PCIE5, "nvlink4"
+    ),
+    "gh200": HardwareSpec(  # GH200 datasheet: the H100 GPU (989 TF bf16 dense) with 96 GB
+        # HBM3 at 4 TB/s, joined to the Grace CPU by NVLink-C2C, 900 GB/s both ways summed
+        # (450 GB/s per direction). 96 GiB assumed for the usable total (no public log
+        # at hand).
+        "gh200", 989.4e12, 4.0e12, 96 * 1024 * MiB, _C2C, "nvlink4", "h100"
     ),
     "b200": HardwareSpec(  # HGX B200: 2.25 PF bf16 dense (4.5 sparse); HBM3e on a 7,680-bit
         # bus at 3,996 MHz = 7.67 TB/s as the driver reports it (the datasheet's 8 TB/s

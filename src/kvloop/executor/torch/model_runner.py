@@ -71,7 +71,8 @@ class TorchModelRunner:
     bytes when given (any device), else on CPU 2 GiB capped at a fifth of RAM, and on CUDA
     ``total × gpu_memory_utilization − memory in use after loading − an activation
     reserve``. The host swap pool has ``num_cpu_blocks`` blocks, or as many as
-    ``swap_space_bytes`` holds (default: none).
+    ``swap_space_bytes`` holds (default: none); the prefix cache's host tier adds as many
+    as ``kv_offload_bytes`` holds (``num_offload_blocks``) to the same host pool.
 
     ``quantization`` (None or ``int4``) stores the layer matrices as weight-only int4
     (``executor.torch.linear``).
@@ -92,6 +93,7 @@ class TorchModelRunner:
         num_gpu_blocks: int | None,
         num_cpu_blocks: int | None = None,
         swap_space_bytes: int | None = None,
+        kv_offload_bytes: int = 0,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int,
@@ -144,13 +146,16 @@ class TorchModelRunner:
             )
         self.num_gpu_blocks: int = num_gpu_blocks
         self.num_cpu_blocks: int = num_cpu_blocks
+        self.num_offload_blocks: int = max(0, kv_offload_bytes) // per_block
+        """Host blocks of the prefix cache's second tier (after the swap blocks)."""
+        self.block_bytes: int = per_block
         self.kv_cache = KVCache(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             block_size=block_size,
             num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
+            num_cpu_blocks=num_cpu_blocks + self.num_offload_blocks,
             dtype=self.dtype,
             device=self.device,
         )
@@ -255,9 +260,16 @@ class TorchModelRunner:
             for rid in so.preempted_request_ids:
                 if rid not in kept:
                     requests.pop(rid, None)
-        _check_disjoint(so.blocks_to_swap_out, so.blocks_to_swap_in)
-        self.kv_cache.swap_out(so.blocks_to_swap_out)
-        self.kv_cache.swap_in(so.blocks_to_swap_in)
+        # NOTE: device -> host (swap-outs, prefix stores) before host -> device (swap-ins,
+        # prefix loads): a store reads its device block before anything of the step
+        # writes it, and a load lands before the forward pass reads it.
+        out = so.blocks_to_swap_out + so.blocks_to_offload if so.blocks_to_offload else (
+            so.blocks_to_swap_out)
+        into = so.blocks_to_swap_in + so.blocks_to_load if so.blocks_to_load else (
+            so.blocks_to_swap_in)
+        _check_disjoint(out, into)
+        self.kv_cache.swap_out(out)
+        self.kv_cache.swap_in(into)
         self.kv_cache.copy(so.blocks_to_copy)
         for new in so.new_requests:
             requests[new.request_id] = self._new_state(new)
@@ -366,7 +378,9 @@ def _check_disjoint(out: list[tuple[int, int]], into: list[tuple[int, int]]) -> 
     """NOTE: swap-out runs before swap-in. That is safe when no host block freed by this
     step's swap-in is refilled by its swap-out, and no device block a swap-in fills is a
     swap-out source that has not been copied yet (the scheduler never swaps both ways in one
-    step). Refuse a step that would break it rather than corrupt a cache silently."""
+    step; the prefix host tier pins the host blocks its loads and stores touch and frees a
+    swap-in's host blocks only after the step). Refuse a step that would break it rather
+    than corrupt a cache silently."""
     if out and into and {h for _, h in out} & {h for h, _ in into}:
         raise RuntimeError("a host block is both a swap-out target and a swap-in source")
 
