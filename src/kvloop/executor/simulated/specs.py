@@ -347,12 +347,6 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h200": HardwareSpec(  # H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
         "h200", 989.4e12, 4.8e12, 143771 * MiB, _PCIE5, "nvlink4"
     ),
-    "gh200": HardwareSpec(  # GH200 datasheet: the H100 GPU (989 TF bf16 dense) with 96 GB
-        # HBM3 at 4 TB/s, joined to the Grace CPU by NVLink-C2C, 900 GB/s both ways summed
-        # (450 GB/s per direction). 96 GiB assumed for the usable total (no public log
-        # at hand).
-        "gh200", 989.4e12, 4.0e12, 96 * 1024 * MiB, _C2C, "nvlink4", "h100"
-    ),
     "b200": HardwareSpec(  # HGX B200: 2.25 PF bf16 dense (4.5 sparse); HBM3e on a 7,680-bit
         # bus at 3,996 MHz = 7.67 TB/s as the driver reports it (the datasheet's 8 TB/s
         # assumes 8,192 bits); nvidia-smi total 183,359 MiB; NVLink 5, PCIe Gen5 to the host.
@@ -376,6 +370,12 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         # 512-bit bus at 28 Gbps = 1,792 GB/s; PCIe Gen5 x16, no NVLink. nvidia-smi total
         # 97,887 MiB.
         "rtx-pro-6000", 503.8e12, 1792e9, 97887 * MiB, _PCIE5, "pcie5"
+    ),
+    "gh200": HardwareSpec(  # GH200 datasheet: the H100 GPU (989 TF bf16 dense) with 96 GB
+        # HBM3 at 4 TB/s, joined to the Grace CPU by NVLink-C2C, 900 GB/s both ways summed
+        # (450 GB/s per direction). 96 GiB assumed for the usable total (no public log
+        # at hand).
+        "gh200", 989.4e12, 4.0e12, 96 * 1024 * MiB, _C2C, "nvlink4", "h100"
     ),
 }
 
