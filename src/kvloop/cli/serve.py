@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds running requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--trace-out", default=None,
                    help="write every step record to this JSONL (default: none)")
+    g.add_argument("--no-dashboard", action="store_true",
+                   help="no live web view at /dashboard (and no step records kept for it)")
+    g.add_argument("--dashboard-show-prompts", action="store_true",
+                   help="show request prompts in /dashboard (default: ids and counts only)")
     g.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between stats lines (0: none)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -192,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.server.app import ServerConfig, create_app
     from kvloop.server.async_engine import AsyncEngine
     from kvloop.server.connection import protocol_class
+    from kvloop.server.dashboard import LiveRecorder, install_dashboard
     from kvloop.server.draining import DrainingServer
     from kvloop.server.metrics import ServerMetrics
 
@@ -215,10 +220,12 @@ def run(args: argparse.Namespace) -> int:
                         format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     trace: IO[str] | None = None
     try:
-        recorder = None
+        recorder: StepRecorder | None = None
         if args.trace_out:
             trace = open(args.trace_out, "w", buffering=1, encoding="utf-8")  # noqa: SIM115
             recorder = StepRecorder(keep_in_memory=False, sink=trace)
+        if not args.no_dashboard:
+            recorder = LiveRecorder(sink=trace)
         with status_to_stderr():  # NOTE: the phase lines, as kvloop generate prints them
             engine = LLMEngine.from_args(engine_args_from(args), recorder=recorder)
         name = args.served_model_name or args.model
@@ -230,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         config = ServerConfig(name, str(getattr(tok, "path", args.model)), args.api_key,
                               args.log_interval, max_request_bytes=args.max_request_bytes)
         app = create_app(async_engine, metrics, config)
+        if isinstance(recorder, LiveRecorder):
+            install_dashboard(app, recorder, api_key=args.api_key, source=f"kvloop serve {name}",
+                              engine=async_engine, show_prompts=args.dashboard_show_prompts)
         server = DrainingServer(
             uvicorn.Config(app, host=args.host, port=port, log_level="info",
                            access_log=not args.disable_uvicorn_access_log,
@@ -239,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         )
         url = f"http://{_url_host(args.host)}:{port}"
         print(startup_line(engine, model, url), file=sys.stderr, flush=True)
+        if not args.no_dashboard:
+            print(f"kvloop serve: live view at {url}/dashboard", file=sys.stderr, flush=True)
         # NOTE: the engine loop runs on this (main) thread, uvicorn's event loop on another
         # (``AsyncEngine.run_here`` says why); uvicorn installs no signal handlers off the
         # main thread, so the drain's are installed here.

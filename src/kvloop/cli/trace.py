@@ -1,4 +1,4 @@
-"""``kvloop trace plot | export | summary``: look at a JSONL step trace."""
+"""``kvloop trace plot | export | summary | view``: look at a JSONL step trace."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvloop.viz.summary import load_records, summarize_trace
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "trace",
-        help="plot, export or summarise a step trace (JSONL from --trace-out)",
+        help="plot, export, summarise or view a step trace (JSONL from --trace-out)",
         description="Look at the step records a run wrote with --trace-out.",
     )
     tsub = p.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
@@ -57,6 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="TPOT SLO in seconds for goodput, replacing the recorded "
                          "targets (default: the recorded ones, else none)")
     summary.set_defaults(func=run_summary)
+
+    view = tsub.add_parser("view", help="open the web view of a trace in a browser",
+                           description="Serve a local page with a lane per request, a step "
+                           "slider, the selected step's batch, KV blocks and decisions with "
+                           "their reasons, and time series linked to the slider.")
+    view.add_argument("trace", metavar="TRACE.jsonl")
+    view.add_argument("--port", type=int, default=8020,
+                      help="local port to serve on (0: any free one)")
+    view.add_argument("--host", default="127.0.0.1", help="address to bind")
+    view.add_argument("--no-browser", action="store_true",
+                      help="only print the URL; do not open a browser")
+    view.set_defaults(func=run_view)
 
 
 def run_plot(args: argparse.Namespace) -> int:
@@ -128,3 +140,12 @@ def run_summary(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=2)
     return 0
+
+
+def run_view(args: argparse.Namespace) -> int:
+    from kvloop.viz.web.trace_view import serve_trace
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    return serve_trace(args.trace, load_records(args.trace), host=args.host, port=args.port,
+                       open_browser=not args.no_browser)

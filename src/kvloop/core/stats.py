@@ -81,6 +81,8 @@ class StepRecord:
     host_blocks_used: int = 0
     """Host (CPU swap tier) blocks holding swapped-out requests after the step."""
     num_host_blocks: int = 0
+    block_size: int = 0
+    """Tokens per KV block (0: not recorded)."""
 
     num_blocks_loaded: int = 0
     """Prefix blocks loaded host -> device (the prefix cache's host tier)."""

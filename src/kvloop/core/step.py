@@ -173,4 +173,5 @@ def build_step_record(
         num_blocks_loaded=len(out.blocks_to_load),
         num_blocks_offloaded=len(out.blocks_to_offload),
         kv_load_choices=out.kv_load_choices,
+        block_size=block_size,
     )
