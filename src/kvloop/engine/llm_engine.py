@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +339,8 @@ class LLMEngine:
             num_unfinished=len(self._tracked),
             kv_usage=s.kv.usage,
             scheduler=EngineStats.copy_counters(s.stats),
+            host_tier=replace(s.kv.host.stats) if s.kv.host_prefix else None,
+            kv_block_bytes=getattr(self.executor, "block_bytes", 0),
         )
 
     # -- the loop --------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvloop.core.host_tier import HostTierStats
 from kvloop.core.stats import SchedulerStats
 
 
@@ -29,6 +30,10 @@ class EngineStats:
     scheduler: SchedulerStats
     """A copy of the scheduler's cumulative counters (steps, tokens, preemptions, prefix
     cache queries and hits, finishes by reason)."""
+    host_tier: HostTierStats | None = None
+    """A copy of the prefix cache's host-tier counters (None: no host tier)."""
+    kv_block_bytes: int = 0
+    """Bytes of one KV block (0: unknown), to turn host-tier blocks into bytes."""
 
     @staticmethod
     def copy_counters(stats: SchedulerStats) -> SchedulerStats:

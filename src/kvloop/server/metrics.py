@@ -31,6 +31,18 @@ adds ``rejected``, the scheduling policy's refusal); an error counts in
 ``num_requests_failed``."""
 
 
+HOST_TIER_COUNTERS = {
+    "host_hit_blocks": "Prefix blocks found in the host tier and loaded back.",
+    "blocks_loaded": "KV blocks copied host -> device for prefix hits.",
+    "blocks_stored": "KV blocks copied device -> host into the prefix cache's host tier.",
+    "host_evictions": "Host-tier blocks dropped for room (its LRU, or reclaimed by swap).",
+    "bytes_loaded": "Bytes copied host -> device for prefix hits.",
+    "bytes_stored": "Bytes copied device -> host into the host tier.",
+}
+"""The prefix cache's host-tier counters (``kvloop:kv_offload_<name>``), present only when
+the engine has a host tier."""
+
+
 @dataclass
 class Totals:
     """Plain running totals and the latest state, for the periodic log line."""
@@ -85,6 +97,9 @@ class ServerMetrics:
         self._success = Counter("kvloop:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.failed = counter("num_requests_failed", "Requests that finished with an error.")
+        self.host_tier = {
+            name: counter(f"kv_offload_{name}", doc) for name, doc in HOST_TIER_COUNTERS.items()}
+        self._host_tier_seen = dict.fromkeys(HOST_TIER_COUNTERS, 0)
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.",
                          _LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Gap between consecutive output tokens.",
@@ -143,6 +158,18 @@ class ServerMetrics:
         if m.first_token_time is not None and m.first_scheduled_time is not None:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
 
+    def _observe_host_tier(self, stats: EngineStats) -> None:
+        h, size = stats.host_tier, stats.kv_block_bytes
+        assert h is not None
+        now = {"host_hit_blocks": h.host_hit_blocks, "blocks_loaded": h.blocks_loaded,
+               "blocks_stored": h.blocks_stored, "host_evictions": h.host_evictions,
+               "bytes_loaded": h.blocks_loaded * size, "bytes_stored": h.blocks_stored * size}
+        seen = self._host_tier_seen
+        for name, value in now.items():
+            if value > seen[name]:
+                self.host_tier[name].inc(value - seen[name])
+                seen[name] = value
+
     def observe_stats(self, stats: EngineStats) -> None:
         """The engine's snapshot after a step or a batch of commands: gauges, and the
         growth of its cumulative counters since the previous snapshot."""
@@ -163,6 +190,8 @@ class ServerMetrics:
         if st.prefix_cache_hits > t.prefix_hits:
             self.prefix_hits.inc(st.prefix_cache_hits - t.prefix_hits)
             t.prefix_hits = st.prefix_cache_hits
+        if stats.host_tier is not None:
+            self._observe_host_tier(stats)
         t.running, t.waiting = stats.num_running, stats.num_waiting
         t.swapped, t.kv_usage = stats.num_swapped, stats.kv_usage
         self.running.set(t.running)
