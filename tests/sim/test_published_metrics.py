@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -104,3 +105,18 @@ def test_summary_and_table_carry_published_metrics():
     assert all(len(line) <= 50 for line in text.splitlines()
                if line.startswith(("VTC", "SLO", "QoE", "Jain, backlogged")))
     assert summarize_requests([Req(0.0, [1.0])])["vtc"] is None
+
+
+def test_trace_summary_matches_the_run(tmp_path):
+    from kvloop.cli.main import main
+
+    run, summary, trace = (tmp_path / n for n in ("run.json", "summary.json", "t.jsonl"))
+    common = ["--slo-ttft", "0.5", "--slo-tpot", "0.05"]
+    assert main(["simulate", "--trace", "azure-conv", "--num-requests", "80", "--rate-scale",
+                 "12", "--tenant-mix", "0.6,0.2,0.2", "--no-progress", "--trace-out",
+                 str(trace), "--json", str(run), *common]) == 0
+    assert main(["trace", "summary", str(trace), "--json", str(summary), *common]) == 0
+    a, b = (json.loads(p.read_text()) for p in (run, summary))
+    assert a["slo_attainment"] == b["slo_attainment"]
+    assert a["qoe"]["mean"] == pytest.approx(b["qoe"]["mean"])
+    assert a["vtc"]["windows"] == b["vtc"]["windows"]

@@ -177,7 +177,7 @@ def _service_bins(requests: Sequence[Any], t0: float, window_s: float, n: int,
         row = bins.setdefault(getattr(req, "tenant", "") or "", [0.0] * n)
         for t in req.token_times:
             row[min(int((t - t0) // window_s), n - 1)] += w_out
-        start = req.first_scheduled_time
+        start = getattr(req, "first_scheduled_time", None)
         stop = req.first_token_time
         prompt = w_in * req.num_prompt_tokens
         if start is None or stop <= start:
