@@ -14,6 +14,11 @@ from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
 from kvloop.core.request import Request
 from kvloop.core.stats import ScheduledEntry, StepRecord
 
+_NOTHING: list[Any] = []
+"""The list of a record with nothing of that kind in its step.
+
+NOTE: shared by many records, so a record's lists are never mutated (they are data)."""
+
 
 class StepBuilder:
     """Mutable state of one ``schedule()`` call: budget left and what was decided."""
@@ -131,11 +136,24 @@ def build_step_record(
     used, total, running, waiting, swapped = counts
     d = b.decisions
     block_size, cached, host_used, host_total = kv_extra
-    allocated = 0
-    if d is not None and block_size:
-        # NOTE: admitted requests' new blocks include their prefix hits (not taken from the
-        # free pool); a swapped-in request's are its whole table, all fresh.
-        allocated = sum(map(len, b.new_blocks.values())) - sum(b.admitted.values()) // block_size
+    admitted = held = left_out = causes = _NOTHING
+    reason, behind, allocated, freed = None, 0, 0, 0
+    if b.admitted:
+        admitted = [[rid, b.scheduled.get(rid, 0), hit] for rid, hit in b.admitted.items()]
+    if d is not None:
+        if d.held:
+            held = [list(h) for h in d.held]
+        if d.left_out:
+            left_out = [list(x) for x in d.left_out]
+        if d.preempt_causes:
+            causes = [list(x) for x in d.preempt_causes]
+        reason, behind = d.stop_reason, d.num_behind
+        if b.new_blocks and block_size:
+            # NOTE: admitted requests' new blocks include their prefix hits (not taken from
+            # the free pool); a swapped-in request's are its whole table, all fresh.
+            allocated = (sum(map(len, b.new_blocks.values()))
+                         - sum(b.admitted.values()) // block_size)
+        freed = max(0, d.used_before + allocated - used)
     return StepRecord(
         step=out.step,
         time_s=b.start_time,
@@ -159,14 +177,14 @@ def build_step_record(
         num_waiting=waiting,
         num_swapped=swapped,
         arrived_info=arrived_info or {},
-        admitted=[[rid, b.scheduled.get(rid, 0), hit] for rid, hit in b.admitted.items()],
-        held=[list(h) for h in d.held] if d is not None else [],
-        held_reason=d.stop_reason if d is not None else None,
-        num_held_behind=d.num_behind if d is not None else 0,
-        left_out=[list(x) for x in d.left_out] if d is not None else [],
-        preempt_causes=[list(x) for x in d.preempt_causes] if d is not None else [],
+        admitted=admitted,
+        held=held,
+        held_reason=reason,
+        num_held_behind=behind,
+        left_out=left_out,
+        preempt_causes=causes,
         kv_blocks_allocated=allocated,
-        kv_blocks_freed=max(0, d.used_before + allocated - used) if d is not None else 0,
+        kv_blocks_freed=freed,
         kv_cached_blocks=cached,
         host_blocks_used=host_used,
         num_host_blocks=host_total,

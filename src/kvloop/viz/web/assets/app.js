@@ -39,6 +39,7 @@
       ttft: [], ttftAt: [] };
     const ttfts = [];
     const itls = [];
+    const preemptions = [];
     const get = (rid, i) => {
       let q = reqs.get(rid);
       if (!q) {
@@ -71,6 +72,9 @@
         q.cells[i - q.first] = e ? CODE[e.kind] || CODE.decode
           : CODE[s === "running" ? "stalled" : s];
       }
+      r.preempted.forEach(([rid, mode], k) => {
+        preemptions.push([i, rid, mode, (r.preempt_causes || [])[k]]);
+      });
       for (const [rid, mode] of r.preempted) {
         const q = get(rid, i);
         q.cells[i - q.first] = CODE.preempted;
@@ -109,7 +113,7 @@
       series.kv.push(r.num_gpu_blocks ? r.kv_blocks_used / r.num_gpu_blocks : 0);
       series.itl.push(ngaps ? gaps / ngaps : null);
     });
-    return { reqs, order, series, ttfts, itls };
+    return { reqs, order, series, ttfts, itls, preemptions };
   }
 
   function pct(values, p) {
@@ -130,6 +134,14 @@
     return e;
   }
 
+  function preemptWhy(rid, c) {
+    if (!c) return "";
+    if (c[2] === rid) {
+      return ": no free KV block for its own next tokens, and it was the least urgent";
+    }
+    return `: ${cause(c[1])}${c[2] ? ` ${c[2]}` : ""}`;
+  }
+
   function describe(r) {
     const out = [];
     const add = (text, cls) => out.push([text, cls || ""]);
@@ -141,9 +153,7 @@
     for (const rid of r.swapped_in) add(`Swapped in ${rid}.`, "admit");
     const causes = r.preempt_causes || [];
     r.preempted.forEach(([rid, mode], k) => {
-      const c = causes[k];
-      const why = c ? `: ${cause(c[1])}${c[2] ? ` ${c[2]}` : ""}` : "";
-      add(`Preempted ${rid} by ${mode}${why}.`, "preempt");
+      add(`Preempted ${rid} by ${mode}${preemptWhy(rid, causes[k])}.`, "preempt");
     });
     for (const [rid, why] of r.left_out || []) add(`Left out ${rid}: ${reason(why)}.`, "held");
     for (const [rid, why] of r.held || []) add(`Left waiting ${rid}: ${reason(why)}.`, "held");
@@ -214,6 +224,7 @@
     ul.replaceChildren(...describe(r).map(([text, cls]) => el("li", text, cls)));
     drawLanes();
     drawCharts();
+    renderPreemptions();
   }
 
   function kvCounts(r) {
@@ -409,6 +420,20 @@
     p.textContent = `TTFT p50 ${ms(pct(t, 50))} · p90 ${ms(pct(t, 90))} · p99 ${ms(pct(t, 99))}` +
       ` (${t.length} requests)   ITL p50 ${ms(pct(i, 50))} · p90 ${ms(pct(i, 90))} · p99 ` +
       `${ms(pct(i, 99))}`;
+  }
+
+  function renderPreemptions() {
+    const ul = $("preemptions");
+    const last = model.preemptions.slice(-10).reverse();
+    if (!last.length) {
+      ul.replaceChildren(el("li", "none in these steps"));
+      return;
+    }
+    ul.replaceChildren(...last.map(([i, rid, mode, c]) => {
+      const li = el("li", `step ${records[i].step}: ${rid} by ${mode}${preemptWhy(rid, c)}`);
+      li.addEventListener("click", () => select(i));
+      return li;
+    }));
   }
 
   // -- navigation --------------------------------------------------------------------------
