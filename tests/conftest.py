@@ -22,16 +22,19 @@ def _native_kernels_built() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _token_budget_records_apart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The engines of the tests record their measured token budgets in a folder of this
-    session, not in the user's cache (``executor.torch.budget``)."""
+def _machine_records_apart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The engines of the tests record their measured token budgets and their ready-to-run
+    weights in folders of this session, not in the user's cache
+    (``executor.torch.budget``, ``executor.torch.ready_weights``)."""
     if importlib.util.find_spec("torch") is None:
         yield
         return
-    from kvloop.executor.torch import budget
+    from kvloop.executor.torch import budget, ready_weights
 
-    folder = tmp_path_factory.mktemp("token_budgets")
+    budgets = tmp_path_factory.mktemp("token_budgets")
+    ready = tmp_path_factory.mktemp("ready_weights")
     patch = pytest.MonkeyPatch()
-    patch.setattr(budget, "records_dir", lambda: folder)
+    patch.setattr(budget, "records_dir", lambda: budgets)
+    patch.setattr(ready_weights, "ready_dir", lambda: ready)
     yield
     patch.undo()

@@ -83,6 +83,8 @@ def record_path(runner: Any) -> Path:
 
 def measure_per_token(runner: Any) -> float:
     """Seconds per prompt token of a settled 64-token prefill step (module docstring)."""
+    if (model := getattr(runner, "model", None)) is not None:
+        model.adopt_moved_weights(wait=True)  # NOTE: the weights as they serve
     prefill_time(runner, _PROBE_TOKENS)  # warm-up, untimed: the same shapes as the probes
     # NOTE: the fastest, not the mean: a slow repeat is the machine (a neighbour, a page-in),
     # not the model's cost.

@@ -23,6 +23,7 @@ to the first token.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
@@ -122,6 +123,7 @@ class HugePageMove:
         """Bytes the move takes: 0 where the OS offers no huge pages or nothing is movable."""
         self._views: list[tuple[Tensor, Tensor]] | None = None
         self._thread: threading.Thread | None = None
+        self._cancelled = threading.Event()
 
     def copy(self) -> None:
         """Make the copies (on the calling thread). A refused mapping is logged, and the
@@ -145,6 +147,9 @@ class HugePageMove:
         start = -raw.data_ptr() % page
         views = []
         for t, offset, first in self._moving:
+            if self._cancelled.is_set():
+                self._views, self.nbytes = [], 0
+                return
             at = start + offset
             view = raw[at:at + t.nbytes].view(t.dtype).view(t.shape)
             if first:
@@ -156,14 +161,28 @@ class HugePageMove:
         """Make the copies on a background thread at the lowest CPU priority, then call
         ``then`` (on that thread)."""
         def run() -> None:
-            lowest_priority()
-            self.copy()
-            if then is not None:
-                then()
+            try:
+                lowest_priority()
+                self.copy()
+                if then is not None and not self._cancelled.is_set():
+                    then()
+            finally:
+                atexit.unregister(self.cancel)
 
+        # NOTE: a daemon thread, so that exiting does not wait for the copies; cancelled at
+        # exit before the interpreter stops daemon threads (stopping one inside torch's copy
+        # ends the process with "terminate called without an active exception").
         self._thread = threading.Thread(target=run, daemon=True, name="kvloop-huge-pages")
+        atexit.register(self.cancel)
         self._thread.start()
         return self
+
+    def cancel(self) -> None:
+        """Stop making the copies (after the one being made) and wait for the thread; the
+        move then moves nothing."""
+        self._cancelled.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     @property
     def ready(self) -> bool:

@@ -3,8 +3,9 @@
 Sharded checkpoints are found through ``model.safetensors.index.json`` (or, without an
 index, by listing every ``*.safetensors`` file). Tensors are read one at a time, cast to the
 requested dtype and placed on the device, so peak host memory stays near one tensor. On CPU
-the weights a decode step streams then move, in the order it reads them, onto transparent
-huge pages (``huge_pages``).
+the converted model is saved ready to run (``ready_weights``) and read from there at later
+starts, and the weights a decode step streams then move, in the order it reads them, onto
+transparent huge pages (``huge_pages``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from kvloop.executor.torch import ready_weights
 from kvloop.executor.torch.huge_pages import HugePageMove
 from kvloop.executor.torch.models import ModelConfig, get_model_class
 from kvloop.executor.torch.models.llama import LlamaForCausalLM
@@ -123,14 +125,35 @@ def load_model(
     quantization: str | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Parse the folder's config and build its model on ``device`` in ``dtype`` (layer
-    matrices quantised when ``quantization`` is given; on CPU its streamed weights copied
-    onto huge pages in the background where the OS offers them: ``model.weights_move``,
-    which the model runner applies between two steps)."""
+    matrices quantised when ``quantization`` is given). On CPU: from its ready-to-run
+    weights where an earlier start saved them (``ready_weights``; else converted, and saved
+    in the background), and the streamed weights copied onto huge pages in the background
+    where the OS offers them (``model.weights_move``, applied between two forwards)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
     config = ModelConfig.from_pretrained(path)
     cls = get_model_class(config.architecture)
+    ready = ready_weights.ready_path(path, dtype, quantization) if device.type == "cpu" else None
+    model = ready_weights.load(cls, config, ready) if ready is not None else None
+    if model is None:
+        model = _convert(path, config, cls, dtype=dtype, device=device,
+                         quantization=quantization)
+        if ready is not None:
+            ready_weights.save_in_background(model, ready)
+    else:
+        model.loaded_ready = True
+    move = HugePageMove(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
+    if move.nbytes:
+        model.weights_move = move
+        model.start_weights_move()
+    return config, model
+
+
+def _convert(path: Path, config: ModelConfig, cls: type[LlamaForCausalLM], *,
+             dtype: torch.dtype, device: torch.device, quantization: str | None,
+             ) -> LlamaForCausalLM:
+    """The model built from the folder's checkpoint (cast, packed, quantised)."""
     ckpt = SafetensorsCheckpoint(path)
 
     def get(name: str, exact: bool = False) -> Tensor:
@@ -139,11 +162,6 @@ def load_model(
         return ckpt.get(name).to(device=device, dtype=torch.float32 if exact else dtype)
 
     try:
-        model = cls.load_weights(config, get, ckpt.has, quantization)
+        return cls.load_weights(config, get, ckpt.has, quantization)
     finally:
         ckpt.close()
-    move = HugePageMove(model.streamed_tensors())  # NOTE: CPU tensors only; others stay
-    if move.nbytes:
-        model.weights_move = move
-        model.start_weights_move()
-    return config, model

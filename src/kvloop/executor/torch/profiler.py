@@ -156,6 +156,8 @@ class Profiler:
     def __init__(self, runner: TorchModelRunner, settings: ProfileSettings) -> None:
         self.runner, self.settings = runner, settings
         self.model = runner.model
+        # NOTE: measured on the weights as they serve: moved onto huge pages, no copy running.
+        self.model.adopt_moved_weights(wait=True)
         self.cfg = runner.model_config
         self.device = runner.device
         self.timer = _Timer(self.device, settings)

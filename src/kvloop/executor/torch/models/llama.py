@@ -128,6 +128,9 @@ class LlamaForCausalLM:
         """The streamed weights' copy onto huge pages until it is applied (the loader makes
         it, :meth:`start_weights_move` starts it, :meth:`adopt_moved_weights` applies it)."""
         self._forward_lock = threading.Lock()
+        self.loaded_ready = False
+        """Whether the weights came from a ready-to-run file (``ready_weights``) rather
+        than from converting the checkpoint."""
         self.decode_layers = self.build_decode_layers() if self.fused_ops else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the same kernels as
