@@ -5,12 +5,14 @@
   help text is shown as ``N``);
 - ``docs/reference/config.md`` from the configuration dataclasses (``EngineArgs``,
   ``SchedulerConfig``, ``CacheConfig``): every field with its type, default and docstring,
-  read from the source.
+  read from the source;
+- ``docs/reference/metrics.md`` from the server's Prometheus registry: every metric's name,
+  type, labels and help text.
 
     python scripts/gen_reference.py           # rewrite the pages
     python scripts/gen_reference.py --check   # exit 1 when a page is out of date
 
-``tests/docs/test_cli_reference.py`` runs the check, so a flag or a config field added
+``tests/docs/test_cli_reference.py`` runs the check, so a flag, a config field or a metric added
 without rerunning this script fails the tests.
 """
 
@@ -28,6 +30,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference" / "cli.md"
 CONFIG_PAGE = ROOT / "docs" / "reference" / "config.md"
+METRICS_PAGE = ROOT / "docs" / "reference" / "metrics.md"
 CONFIG_SOURCES = [  # (module, dataclass), in the order the page shows them
     ("kvloop.engine.args", "EngineArgs"),
     ("kvloop.config", "SchedulerConfig"),
@@ -129,9 +132,69 @@ def render_config() -> str:
     return "\n".join(parts)
 
 
+METRICS_HEADER = """\
+# Prometheus metrics
+
+`kvloop serve` exposes these at `GET /metrics` (Prometheus text format). The names are
+vLLM's with a `kvloop:` prefix, so dashboards written for vLLM need only the prefix
+changed. Every series has a `model_name` label (the served model name); with
+`--replicas N` every series also has a `replica` label. Times are seconds; the metrics mean
+what the [definitions](#definitions) below say. Counters are exported with a `_total`
+suffix (`kvloop:num_preemptions_total`), histograms as `_bucket`, `_sum` and `_count`
+series. This page is generated from the server's registry by
+`python scripts/gen_reference.py`; do not edit it by hand.
+
+The prefix-cache hit rate over five minutes is
+`rate(kvloop:prefix_cache_hits_total[5m]) / rate(kvloop:prefix_cache_queries_total[5m])`.
+"""
+
+METRICS_FOOTER = """\
+## Definitions
+
+The same meaning everywhere: engine, simulator, server and benchmarks.
+
+- **TTFT**: arrival to first output token (queueing and the whole prefill included).
+- **TPOT**: per request, (e2e − TTFT) / (output tokens − 1); requests with one output token
+  have none. Aggregates are over requests.
+- **ITL**: each gap between consecutive output tokens of a request; aggregates are over all
+  gaps of all requests.
+- **e2e latency**: arrival to last token. **Queue time**: arrival to first scheduled.
+- **Throughput**: output tokens (and, separately, total tokens) per second of wall time
+  (virtual time in the simulator) from the first arrival to the last completion.
+- **Goodput**: completed requests per second that met every given SLO (TTFT and/or TPOT).
+- **Prefix-cache hit rate**: prompt tokens served from cached blocks / prompt tokens looked
+  up (first admission only; recomputation after preemption is counted apart).
+- Percentiles are nearest-rank over the finished requests (aborted and failed requests are
+  excluded and counted apart).
+"""
+
+
+def render_metrics() -> str:
+    from kvloop.server.metrics import ServerMetrics
+
+    registry = ServerMetrics("MODEL").registry
+    label_names = {getattr(c, "_name", ""): tuple(getattr(c, "_labelnames", ()))
+                   for c in registry._collector_to_names}
+    groups: dict[str, list[str]] = {"gauge": [], "counter": [], "histogram": []}
+    for fam in registry.collect():
+        labels = label_names.get(fam.name, ())
+        row = (f"| `{fam.name}` | {', '.join(f'`{k}`' for k in labels)} "
+               f"| {_cell(fam.documentation)} |")
+        groups.setdefault(fam.type, []).append(row)
+    titles = {"gauge": "State (gauges)", "counter": "Work done (counters)",
+              "histogram": "Latencies and sizes (histograms)"}
+    parts = [METRICS_HEADER]
+    for kind, rows in groups.items():
+        if rows:
+            parts += [f"## {titles.get(kind, kind)}", "", "| metric | labels | meaning |",
+                      "|---|---|---|", *rows, ""]
+    parts.append(METRICS_FOOTER)
+    return "\n".join(parts)
+
+
 def pages() -> dict[Path, str]:
     """Each generated page and its text."""
-    return {PAGE: render(), CONFIG_PAGE: render_config()}
+    return {PAGE: render(), CONFIG_PAGE: render_config(), METRICS_PAGE: render_metrics()}
 
 
 def main() -> int:
