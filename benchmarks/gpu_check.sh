@@ -5,8 +5,8 @@
 #      every device present);
 #   2. benchmarks/decode_floor.py on CUDA in bfloat16 (the CUDA default): the weight floor
 #      from the GPU's measured read bandwidth, the GEMM time, the decode step, batches
-#      1/8/32/128, with attention reading the KV blocks in place (FlexAttention, the CUDA
-#      default) and with the gather path;
+#      1/8/32/128, with attention reading the KV blocks in place (FlexAttention, opt-in
+#      until this check shows it right and faster) and with the gather path (the default);
 #   3. benchmarks/offline_throughput.py --device cuda (kvloop alone, the quick workloads);
 #   4. benchmarks/server_overhead.py --device cuda: TTFT and ITL seen over HTTP against the
 #      engine's own, 16 streaming clients.

@@ -19,7 +19,7 @@ costs about ``requests × padded context`` gathered slots (prefill: times ``1 + 
 the padded query rows), plus a fixed overhead worth ``_GROUP_OVERHEAD`` slots. Equal lengths
 make one group; a long prompt next to short ones gets its own.
 
-``flex.py`` reads the same groups' blocks in place instead (the CUDA default): the metadata
+``flex.py`` reads the same groups' blocks in place instead (where asked for): the metadata
 then carries one FlexAttention block mask per group and no additive masks. On CPUs where
 kvloop's own kernels run (``native``), nothing is gathered or padded: the decodes are one
 group read in place by ``native.decode_attention`` and the prefill chunks another, read in

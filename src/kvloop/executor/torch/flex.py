@@ -23,24 +23,43 @@ every sequence that reuses it. So one ``[num_blocks]`` map serves the whole step
 
 The same groups as the gather path are used (decodes, then prefill chunks padded to their
 group's longest), so both paths give the same rows. FlexAttention needs ``torch.compile``
-(Triton on CUDA, C++ on CPU). It is the default on CUDA only: on CPU, inductor's flex
-template walks the whole key sequence of the pool whatever the block mask says (measured
-8x slower than the gather path at 32 decodes over a 64k-slot pool), so CPU keeps the
-gather path and uses this one only where a test asks for it.
+(Triton on CUDA, C++ on CPU). It runs only where asked for (``TorchModelRunner(...,
+flex_attention=True)``, ``benchmarks/decode_floor.py --attention flex``). The block lists
+are checked on CPU by reading them as the compiled kernels do
+(``tests/torch/test_flex_block_lists.py``); the compiled CUDA kernels have not been run on
+a GPU against the gather path yet (``benchmarks/gpu_check.sh`` does), so the gather path
+stays the default there too. On CPU, inductor's flex template walks the whole key sequence
+of the pool whatever the block mask says (measured 8x slower than the gather path at 32
+decodes over a 64k-slot pool).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-if TYPE_CHECKING:
-    from kvloop.executor.torch.attention import AttentionGroup, AttentionMetadata
+
+class Group(Protocol):
+    """What this module reads of a group of ``attention.build_metadata`` (NOTE: a protocol,
+    so that ``attention``, which builds the block masks here, is not imported back)."""
+
+    num_seqs: int
+
+    def queries(self, q: Tensor) -> Tensor: ...
+
+    def outputs(self, out: Tensor) -> Tensor: ...
+
+
+class Metadata(Protocol):
+    """What :func:`flex_paged_attention` reads of ``attention.AttentionMetadata``."""
+
+    groups: Sequence[Group]
+    flex_masks: list[BlockMask] | None
 
 Q_BLOCK = 128
 """Query rows per block of the block mask (FlexAttention's default tile)."""
@@ -112,7 +131,7 @@ def group_block_mask(
 
 
 def block_masks(
-    table: Tensor, starts: Tensor, lens: Tensor, ctx: list[int], groups: list[AttentionGroup],
+    table: Tensor, starts: Tensor, lens: Tensor, ctx: list[int], groups: Sequence[Group],
     block_size: int, pool_blocks: int, device: torch.device,
 ) -> list[BlockMask]:
     """One block mask per group of the step (``attention.build_metadata``): ``table``
@@ -138,7 +157,7 @@ def block_masks(
 
 
 def flex_paged_attention(
-    q: Tensor, cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor, cache: Tensor, meta: Metadata, scale: float
 ) -> Tensor:
     """``attention.paged_attention`` reading the blocks in place: same arguments, same
     result ([T, H * d]); ``meta.flex_masks`` must hold one block mask per group."""

@@ -100,15 +100,16 @@ class TorchModelRunner:
         max_num_seqs: int,
         max_model_len: int | None = None,
         seed: int = 0,
-        flex_attention: bool | None = None,
+        flex_attention: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
         """The model's folder."""
         self.device = resolve_device(device)
-        on_cuda = self.device.type == "cuda"
-        self.flex_attention: bool = on_cuda if flex_attention is None else flex_attention
-        """Attention reads the KV blocks in place (``flex.py``) instead of gathering them;
-        None means on CUDA only (on CPU the gather path is faster, see ``flex.py``)."""
+        self.flex_attention = flex_attention
+        """Attention reads the KV blocks in place (``flex.py``) instead of gathering them.
+        Off unless asked for: its block lists are checked on CPU, its compiled CUDA kernels
+        not yet on a GPU (``flex.py``); on CPU the gather path and kvloop's kernels are
+        faster."""
         quantization = parse_quantization(quantization)
         auto = dtype == "auto"
         self.dtype = resolve_dtype(dtype, self.device, quantization)
