@@ -114,12 +114,17 @@ class PageRun:
             return [sys.executable, "-c", code]
         return ["bash", "-e", "-o", "pipefail", "-c", code]
 
+    def server_log(self) -> str:
+        logs = sorted(self.folder.glob("server-*.log"))
+        return logs[-1].read_text()[-3000:] if logs else ""
+
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         url = f"http://127.0.0.1:{self.port}/health"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in self.servers):
-                raise AssertionError("the page's server exited before answering /health")
+                raise AssertionError("the page's server exited before answering /health:\n"
+                                     + self.server_log())
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -128,7 +133,8 @@ class PageRun:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise AssertionError(f"no answer from {url} within {timeout_s:.0f} s")
+        raise AssertionError(f"no answer from {url} within {timeout_s:.0f} s:\n"
+                             + self.server_log())
 
     def stop(self) -> None:
         for p in self.servers:
