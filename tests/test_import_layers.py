@@ -82,8 +82,9 @@ def test_nothing_below_the_command_line_imports_it():
 
 
 LAYERS = ["kvloop.errors", "kvloop.paths", "kvloop.config", "kvloop.sampling_params",
-          "kvloop.core", "kvloop.executor", "kvloop.engine", "kvloop.server", "kvloop.cluster",
-          "kvloop.sim", "kvloop.bench", "kvloop.viz", "kvloop.cli"]
+          "kvloop.request_fields", "kvloop.core", "kvloop.executor", "kvloop.engine",
+          "kvloop.server", "kvloop.cluster", "kvloop.sim", "kvloop.bench", "kvloop.viz",
+          "kvloop.cli"]
 """ARCHITECTURE.md's layers, lowest first (the routers of ``kvloop.cluster`` serve both the
 Ray deployment and the cluster simulator, so they sit below ``kvloop.sim``)."""
 

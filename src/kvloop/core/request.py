@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvloop.core.prefix_hash import HashMemo, block_hash, chain_hashes, root_hash, token_bytes
-from kvloop.sampling_params import SamplingParams, is_int64, shown
+from kvloop.request_fields import check_cache_salt, check_priority, check_slo, check_tenant
+from kvloop.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvloop.core.group import SequenceGroup
@@ -101,20 +102,16 @@ class Request:
         slo_ttft: float | None = None,
         slo_tpot: float | None = None,
     ) -> None:
+        # NOTE: the engine's gate (``validate_request``) runs these same checks first; they
+        # are repeated here for requests built directly (the simulator, tests).
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if not is_int64(priority):
-            raise ValueError(f"priority must be an integer in [-2^63, 2^63 - 1], got "
-                             f"{shown(priority)}")
-        if not isinstance(tenant, str):
-            raise ValueError(f"tenant must be a string, got {tenant!r}")
-        for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
-            if value is not None and not (
-                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        priority = check_priority(priority)
+        cache_salt = check_cache_salt(cache_salt)
+        tenant = check_tenant(tenant)
+        slo_ttft, slo_tpot = check_slo("slo_ttft", slo_ttft), check_slo("slo_tpot", slo_tpot)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -17,13 +17,21 @@ where each word is a token at least (``check_prompt_words``, reading only that m
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
 from kvloop.errors import InvalidRequestError
-from kvloop.sampling_params import SamplingParams, is_int64, shown
+from kvloop.request_fields import (
+    MAX_SLO_S,
+    MAX_TENANT_CHARS,
+    check_cache_salt,
+    check_priority,
+    check_slo,
+    check_tenant,
+    kv_blocks_needed,
+)
+from kvloop.sampling_params import SamplingParams
 
 __all__ = [
     "MAX_SLO_S",
@@ -64,10 +72,6 @@ class TokensPrompt(TypedDict, total=False):
 PromptInput = str | Sequence[int] | TextPrompt | TokensPrompt
 """A prompt as callers give it: text, token ids, or one of vLLM's prompt dicts."""
 
-MAX_TENANT_CHARS = 256
-"""Longest tenant name (the OpenAI ``user`` field or kvloop's ``tenant``)."""
-MAX_SLO_S = 1e9
-"""SLO targets must be below this many seconds (``Request`` refuses more)."""
 
 _DICT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
@@ -309,13 +313,8 @@ def validate_request(
     if params.stop and tokenizer is None:
         raise InvalidRequestError("stop", "stop strings need a tokenizer (this engine has "
                                   "none: skip_tokenizer_init); use stop_token_ids")
-    if not is_int64(priority):
-        raise InvalidRequestError("priority", "priority must be an integer in [-2^63, 2^63 - 1], "
-                                  f"got {shown(priority)}")
-    salt = cache_salt if cache_salt is not None else enc.cache_salt
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidRequestError("cache_salt", "cache_salt must be a non-empty string, "
-                                  f"got {shown(salt)}")
+    priority = check_priority(priority)
+    salt = check_cache_salt(cache_salt if cache_salt is not None else enc.cache_salt)
     tenant = check_tenant(tenant)
     slo_ttft = check_slo("slo_ttft", slo_ttft)
     slo_tpot = check_slo("slo_tpot", slo_tpot)
@@ -324,32 +323,6 @@ def validate_request(
         _check_group(len(enc.prompt_token_ids), params, limits)
     return ValidatedRequest(enc.prompt_token_ids, params, enc.prompt, priority, salt,
                             tenant, slo_ttft, slo_tpot)
-
-
-def check_tenant(tenant: str | None, field: str = "tenant") -> str:
-    """The tenant name to queue (``""``: none); ``InvalidRequestError`` naming ``field``
-    unless it is a string of at most ``MAX_TENANT_CHARS`` characters."""
-    if tenant is None:
-        return ""
-    if not isinstance(tenant, str):
-        raise InvalidRequestError(field, f"{field} must be a string, got "
-                                  f"{type(tenant).__name__}")
-    if len(tenant) > MAX_TENANT_CHARS:
-        raise InvalidRequestError(field, f"{field} is {len(tenant)} characters; at most "
-                                  f"{MAX_TENANT_CHARS} are allowed")
-    return tenant
-
-
-def check_slo(field: str, value: float | None) -> float | None:
-    """An SLO target in seconds, as a float (None stays None: the scheduler's default);
-    ``InvalidRequestError`` naming ``field`` unless positive, finite and below ``MAX_SLO_S``."""
-    if value is None:
-        return None
-    if (not isinstance(value, int | float) or isinstance(value, bool)
-            or not math.isfinite(value) or not 0 < value < MAX_SLO_S):
-        raise InvalidRequestError(field, f"{field} must be a positive, finite number of "
-                                  f"seconds (below {MAX_SLO_S:g}), got {shown(value)}")
-    return float(value)
 
 
 def _check_fits(n: int, max_tokens: int, limits: EngineLimits) -> None:
@@ -373,10 +346,8 @@ def _check_group(n_prompt: int, params: SamplingParams, limits: EngineLimits) ->
     n = params.n
     if limits.max_num_seqs is not None and n > limits.max_num_seqs:
         raise InvalidRequestError("n", f"n {n} exceeds max_num_seqs {limits.max_num_seqs}")
-    bs = limits.block_size
-    per_seq = -(-(n_prompt + params.max_tokens) // bs)
-    shared = (n_prompt - 1) // bs
-    if (shared + n * (per_seq - shared)) * bs > limits.kv_cache_tokens:
+    blocks = kv_blocks_needed(n_prompt, params.max_tokens, n, limits.block_size)
+    if blocks * limits.block_size > limits.kv_cache_tokens:
         raise InvalidRequestError(
             "n", f"{n} sequences of prompt {n_prompt} + max_tokens {params.max_tokens} tokens "
             f"need more KV blocks than the cache has ({limits.kv_cache_tokens} tokens)")
