@@ -77,6 +77,9 @@ class KVOffload:
         """Whether the prefix cache has a host tier."""
         self.queue_aware = cfg.kv_eviction == "queue-aware" and cfg.enable_prefix_caching
         self.lookahead = cfg.kv_eviction_lookahead
+        self.plain_lru = not (self.host_prefix or self.queue_aware)
+        """True when eviction is the device pool's plain LRU and nothing is offloaded: what
+        fast-forward's proof assumes."""
         self.costs = LoadCosts(cfg.kv_offload_load, cfg.kv_load_s_per_block,
                                cfg.kv_load_latency_s, cfg.kv_recompute_s_per_token)
         self._loads: list[tuple[int, int]] = []
@@ -93,11 +96,6 @@ class KVOffload:
             if cfg.kv_offload_write_policy == "write_through":
                 self.pool.registered = []
 
-    @property
-    def plain_lru(self) -> bool:
-        """True when eviction is the device pool's plain LRU and nothing is offloaded: what
-        fast-forward's proof assumes."""
-        return not (self.host_prefix or self.queue_aware)
 
     # -- lookups -------------------------------------------------------------------------
     def _host_hits(self, request: Request, hashes: list[bytes], start: int, limit: int

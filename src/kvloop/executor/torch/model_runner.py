@@ -263,14 +263,15 @@ class TorchModelRunner:
                     requests.pop(rid, None)
         # NOTE: device -> host (swap-outs, prefix stores) before host -> device (swap-ins,
         # prefix loads): a store reads its device block before anything of the step
-        # writes it, and a load lands before the forward pass reads it.
+        # writes it, and a load lands before the forward pass reads it. A load may read
+        # a host block a store of the same step wrote (a block evicted, then hit): in
+        # order, that is right; a swap-in never reads one.
         out = so.blocks_to_swap_out + so.blocks_to_offload if so.blocks_to_offload else (
             so.blocks_to_swap_out)
-        into = so.blocks_to_swap_in + so.blocks_to_load if so.blocks_to_load else (
-            so.blocks_to_swap_in)
-        _check_disjoint(out, into)
+        _check_disjoint(out, so.blocks_to_swap_in)
         self.kv_cache.swap_out(out)
-        self.kv_cache.swap_in(into)
+        self.kv_cache.swap_in(so.blocks_to_swap_in + so.blocks_to_load if so.blocks_to_load
+                              else so.blocks_to_swap_in)
         self.kv_cache.copy(so.blocks_to_copy)
         for new in so.new_requests:
             requests[new.request_id] = self._new_state(new)
