@@ -22,7 +22,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from kvloop.cluster.routers import ReplicaLoad, RouteRequest, make_router, route_request
 from kvloop.engine.args import EngineArgs
-from kvloop.engine.intake import ValidatedRequest
+from kvloop.engine.intake import EngineLimits, ValidatedRequest
 from kvloop.engine.outputs import RequestOutput
 from kvloop.errors import InvalidRequestError
 from kvloop.server.streams import (
@@ -122,7 +122,7 @@ class EngineReplica:
 
     def _start(self) -> None:
         # NOTE: on the loop that runs ``generate``: the engine delivers outputs to it.
-        if self.async_engine._thread is None:
+        if not self.async_engine.started:
             self.async_engine.start()
 
     async def describe(self) -> dict[str, Any]:
@@ -178,7 +178,7 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray's health check: the engine thread, once started, must be alive."""
-        if self.async_engine._thread is not None and not self.async_engine.is_alive:
+        if self.async_engine.started and not self.async_engine.is_alive:
             raise RuntimeError("the engine thread is not running")
 
     def __del__(self) -> None:
@@ -286,11 +286,15 @@ class ClusterEngine:
 
     handle: Any
     """A ``DeploymentHandle`` to the engine replicas."""
-    limits: Any
-    tokenizer: Any
+    limits: EngineLimits
+    """What every request must fit (the replicas' own, from ``describe``)."""
+    tokenizer: Any | None
+    """The model's tokenizer (None: token ids only)."""
     default_sampling: dict[str, Any]
+    """The replicas' sampling defaults."""
     block_size: int
-    clock: Any = time.monotonic
+    """The replicas' KV block size (the prefix hashes that route requests)."""
+    clock: Callable[[], float] = time.monotonic
     draining: bool = False
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _alive: bool = False

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 import kvloop
 from kvloop.server import errors, openapi
-from kvloop.server.async_engine import AsyncEngine
+from kvloop.server.engine_client import EngineClient
 from kvloop.server.errors import CLIENT_CLOSED, APIError
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.middleware import (
@@ -113,13 +113,13 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[
     return True, task.result()
 
 
-def create_app(engine: AsyncEngine, metrics: ServerMetrics, config: ServerConfig, *,
+def create_app(engine: EngineClient, metrics: ServerMetrics, config: ServerConfig, *,
                render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (started and stopped by its lifespan).
 
     ``render_metrics`` replaces ``metrics.render`` for ``/metrics`` (the Ray ingress merges
-    its replicas' registries); ``engine`` may be any object with ``AsyncEngine``'s request
-    surface (``kvloop.cluster.ray_serve.ClusterEngine``)."""
+    its replicas' registries); ``engine`` is an ``AsyncEngine`` or a
+    ``kvloop.cluster.ray_serve.ClusterEngine`` (``EngineClient``)."""
     serving = OpenAIServing(engine, config.served_model_name, config.prompt_workers)
     workers = PromptWorkers(config.prompt_workers, config.max_prompt_backlog)
 

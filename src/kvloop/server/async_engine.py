@@ -174,6 +174,11 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def started(self) -> bool:
+        """Whether :meth:`start` ran (the engine thread was started, alive or not)."""
+        return self._thread is not None
+
+    @property
     def is_alive(self) -> bool:
         if self.on_caller_thread:
             return self._running

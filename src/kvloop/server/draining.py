@@ -14,7 +14,7 @@ from types import FrameType
 
 import uvicorn
 
-from kvloop.server.async_engine import AsyncEngine
+from kvloop.server.engine_client import EngineClient
 
 logger = logging.getLogger("kvloop.server")
 
@@ -22,7 +22,7 @@ logger = logging.getLogger("kvloop.server")
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` with the drain described in the module docstring."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = timeout

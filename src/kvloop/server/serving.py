@@ -34,12 +34,12 @@ from kvloop.errors import InvalidRequestError
 from kvloop.sampling_params import SamplingParams
 from kvloop.server import formatting as fmt
 from kvloop.server.async_engine import (
-    AsyncEngine,
     EngineStoppedError,
     QueueFullError,
     RequestAbortedError,
     RequestStream,
 )
+from kvloop.server.engine_client import EngineClient
 from kvloop.server.errors import APIError, bad_request, error_body
 from kvloop.server.prompt_workers import DEFAULT_WORKERS, BackgroundEncoder
 from kvloop.server.protocol import ChatCompletionRequest, CompletionRequest, parse
@@ -66,9 +66,9 @@ class Job:
 
 
 class OpenAIServing:
-    """The completions and chat endpoints over one ``AsyncEngine``."""
+    """The completions and chat endpoints over one engine (``EngineClient``)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, workers: int = DEFAULT_WORKERS
+    def __init__(self, engine: EngineClient, model_name: str, workers: int = DEFAULT_WORKERS
                  ) -> None:
         self.engine = engine
         self.model_name = model_name
