@@ -9,7 +9,7 @@ engine the default model's tokenizer (incremental detokenization of every token)
 without it outputs are token ids only. Each cell is the median of ``--repeats`` runs on a
 fresh engine, in µs per running request per step.
 
-Issue #10's target: at most 3 µs per running request per step, flat in prompt length.
+The target: at most 3 µs per running request per step, flat in prompt length.
 
     python benchmarks/engine_step.py [--sizes 64 256 1024] [--prompts 16 2048 8192]
         [--steps 50] [--repeats 3] [--detokenize] [--json PATH]

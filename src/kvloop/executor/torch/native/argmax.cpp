@@ -7,7 +7,7 @@
 // NOTE: one call from Python instead of numpy's argmax and the torch and numpy conversions
 // around it: right after a step has streamed the weights, each of those library calls runs
 // from cold caches (a one-row int4 step's sampling took 165 µs there against 28 µs hot;
-// docs/native-kernels.md, twentieth round).
+// docs/native-kernels.md).
 #include <immintrin.h>
 
 #include <algorithm>

@@ -96,7 +96,7 @@ QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
 // Asks for the ``bytes`` at p (whole cache lines) into L1 ahead of their use, as
 // non-temporal: weights are read once a step, so they bypass the outer caches instead of
 // evicting what a step reuses (activations, KV blocks); on Zen 1 that made one-row products
-// 5-20 % faster than the same prefetch into every level (docs/native-kernels.md, eighth round).
+// 5-20 % faster than the same prefetch into every level (docs/native-kernels.md).
 // NOTE: a tile's groups, and the tiles of a thread's own share, follow one another in
 // memory, so reading a few groups ahead of the current one also covers the start of the next
 // tile (pieces taken from the back of another share, team.h, start cold); past the end of a
@@ -110,8 +110,8 @@ inline void prefetch(const void* p) {
 // of Q8, 16 input pairs of bfloat16): the hardware prefetchers alone left one-row products
 // at 60-75 % of the read bandwidth on Zen 1 (the Q4 and Q8 tiles' three interleaved streams,
 // and the bfloat16 loop, whose widening leaves fewer loads in flight than a plain read);
-// 1 KiB ahead made them 1.2-1.3x faster there, 512 B ahead less (docs/native-kernels.md,
-// seventh and eighth rounds). NOTE: the float32 kernel's denser loop (one load, four FMAs)
+// 1 KiB ahead made them 1.2-1.3x faster there, 512 B ahead less (docs/native-kernels.md).
+// NOTE: the float32 kernel's denser loop (one load, four FMAs)
 // already keeps the reads in flight; prefetch gained nothing there, measured twice.
 constexpr int64_t kAheadBytes = 1024;
 
@@ -260,7 +260,7 @@ inline float* thread_scratch(int64_t floats) {
 //   More rows (prefill chunks, steps mixing them with decodes): the first pass of a tile
 //   widens it once into the thread's scratch, [K][16] floats, and every pass is f32_tile's
 //   (f32_linear's loop) on that copy: ~1.2x faster on Zen 1 from 32 rows on, as the widening
-//   leaves the FMA loop (docs/native-kernels.md, tenth round).
+//   leaves the FMA loop (docs/native-kernels.md).
 // NOTE: both paths sum in the same order (up to 2 rows: even and odd inputs apart, then
 // added; 3 and 4 rows: one chain), so a row's result is the same bits either way: a prompt
 // gives the same logits as before the copy existed, and whether a call has 8 rows or 9.

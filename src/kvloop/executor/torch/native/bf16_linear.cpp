@@ -28,8 +28,8 @@ using kvloop::kTile;
 // NOTE: a pass of few rows only streams its weights, and one tile a pass reads each thread's
 // tiles as one sequential run of memory instead of two runs a tile apart. On the 2-core
 // Zen 4 VM, one tile a pass took 0.79-0.93x the time of two for the default model's decode
-// step at batch 1 (docs/native-kernels.md, fourteenth round), and 0.88-0.95x for its layers
-// at batch 2; at 3 and 4 rows it took 1.12x and 1.15x (seventeenth round). From 3 rows on,
+// step at batch 1 (docs/native-kernels.md), and 0.88-0.95x for its layers
+// at batch 2; at 3 and 4 rows it took 1.12x and 1.15x. From 3 rows on,
 // the shared loads count more.
 constexpr int64_t kOneTileRows = 2;
 template <int W_>
@@ -52,9 +52,9 @@ struct Bf16Tiles {
     // tile a pass. With 2, the sums' chains (a vdpbf16ps every 3 cycles at best) held back
     // the loads queued behind them: on the 2-core Zen 4 VM a one-row decode step's products
     // took 1.37x the time of the same loads without arithmetic; with 4 chains 1.03x, and the
-    // default model's layers 0.69x the time they took with 2 (docs/native-kernels.md,
-    // seventeenth round; 8 and 16 chains were no faster). From cache, in the thirteenth
-    // round's standalone harness, 4 had been slower than 2: measure the loop from memory.
+    // default model's layers 0.69x the time they took with 2 (8 and 16 chains were no
+    // faster). From cache, in a standalone harness, 4 is slower than 2: measure the loop from
+    // memory.
     constexpr int U = W_ == 1 ? 4 : R * W >= 4 ? 1 : 4 / (R * W);
     const uint16_t* w = packed + t * K * kTile;
     const int64_t P = K / 2;

@@ -17,8 +17,8 @@
 // every slot (a stride the hardware prefetchers do not follow) and the scores pass jumps from
 // block to block. The scores pass also asks for the same slots' values into L2, so that the
 // output passes, one line a slot each, do not wait on memory for every slot (1.2-1.5x faster
-// from memory on the Sapphire Rapids VM; docs/native-kernels.md, twelfth round). On AMD CPUs
-// the keys too go into L2 only (kPrefetchToL2; twentieth round).
+// from memory on the Sapphire Rapids VM; docs/native-kernels.md). On AMD CPUs
+// the keys too go into L2 only (kPrefetchToL2).
 //
 // NOTE: float32 arithmetic for float32 and bfloat16 caches alike; each output is rounded once
 // to the cache's dtype. The register blocks fit AVX2's 16 registers (no spills in the loops).
@@ -125,7 +125,7 @@ constexpr bool kDpShape = KVLOOP_BF16 && std::is_same_v<T, uint16_t> && ND % 2 =
 // at D = 64; one rounding fewer otherwise); vdpbf16ps flushes subnormal inputs, products and
 // partial sums to zero. Half score_tile's multiply-adds, and none of its widenings of the
 // keys: on the 2-core Zen 4 VM the scores pass took 0.86x the time at 32 sequences of ~150
-// slots (docs/native-kernels.md, eighteenth round).
+// slots (docs/native-kernels.md).
 template <int ND, int GH, int N>
 __attribute__((target("avx512bf16"))) inline void score_tile_dp(
     const uint16_t* qh, const uint16_t* const* k, float* s, int64_t ld, float scale) {
@@ -254,8 +254,7 @@ inline void output_tile(const T* v_base, const int64_t* offs, int64_t L, int64_t
 // bits for finite results (a NaN's sign may differ: which operand's NaN an FMA keeps). With
 // a head's 64 values of a slot in one pass, each slot's probabilities are broadcast once, not
 // once per 32 values. On the 2-core Zen 4 VM a one-sequence decode attention took 0.88-0.93x
-// the time from cache, and a one-row int4 step at ~2,000 slots 0.93x (docs/native-kernels.md,
-// twentieth round).
+// the time from cache, and a one-row int4 step at ~2,000 slots 0.93x.
 template <int ND, int GH, int NR, typename O>
 inline void output_tile_bf16(const uint16_t* v_base, const int64_t* offs, int64_t L, int64_t c,
                              const float* p, int64_t ld, const float* inv, O* out) {

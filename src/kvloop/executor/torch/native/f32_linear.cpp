@@ -1,7 +1,7 @@
 // float32 weights times float32 activations, FMA over simd.h's V16 (one AVX-512 register in
 // the full build, two AVX2 ones in the AVX2 build): for the decode-sized products of a
 // float32 model, where oneDNN streams the weights at about half the machine's read bandwidth
-// (docs/native-kernels.md, fourth round).
+// (docs/native-kernels.md).
 //
 // Packed layout (built by kvloop.executor.torch.native.pack_f32): [N/16][K][16], f32_tile.h's
 // tiles one after another: one tile is one contiguous stream of K * 64 bytes.

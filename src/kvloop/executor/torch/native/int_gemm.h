@@ -114,7 +114,7 @@ void store_tiles(const Tiles& tiles, const float* bias, T* out, int64_t M, int64
 // NOTE: a one-row product streams its weights once and does little arithmetic per byte; the
 // hardware prefetchers alone kept its reads at 60-80 % of a plain sum's bandwidth, on the
 // Sapphire Rapids VM and on the Zen 4 one, and asking for the bytes 2-4 KiB ahead brought
-// them to 85-100 % and 75-100 % (docs/native-kernels.md, twelfth and thirteenth rounds).
+// them to 85-100 % and 75-100 % (docs/native-kernels.md).
 // A tile's groups, and the tiles of a thread's own share, follow one another in memory, so
 // reading ahead also covers the start of the next tile (pieces taken from the back of another
 // share, team.h, start cold); past the end of a matrix a prefetch is a no-op (it never

@@ -20,7 +20,7 @@ void q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 // bfloat16's raw bits; float): q4 takes bfloat16 or float32 x, out x's type or float32.
 // NOTE: called after its checks, a decode step's product touches no tensor object: after
 // ~0.5 MB of weights has gone through L2, those objects come from memory again (~1 µs a
-// product of a one-row step; docs/native-kernels.md, sixteenth round).
+// product of a one-row step; docs/native-kernels.md).
 template <typename X, typename O>
 void q4_product(const X* x, const uint8_t* packed, const uint16_t* scales, const uint16_t* mins,
                 const float* bias, O* out, int64_t M, int64_t N, int64_t K, bool accumulate);

@@ -5,9 +5,9 @@
 // bytes with the top bit flipped, one xor per 64 bytes):
 //   sum_k w a = sum_k (w + 128) a - 128 sum_k a,
 // the last term from the activations' own group sums (QuantRows::sum), exact in int32.
-// NOTE: until the twelfth round the activations entered as a + 128 instead, which needed a
-// per-(output, group) correction 128 * sum_k w stored with the weights: 4 bytes per 32
-// weights, a tenth of what a one-row product streams. The integer dot is the same.
+// NOTE: entering the activations as a + 128 instead would need a per-(output, group)
+// correction 128 * sum_k w stored with the weights: 4 bytes per 32 weights, a tenth of what
+// a one-row product streams. The integer dot is the same.
 //
 // Packed layout (built by kvloop.executor.torch.native.pack_q8): [N/16][K/32][512] bytes.
 // For 16 outputs and one group, chunk c (64 bytes, c = 0..7) holds at byte 4 * n + j the

@@ -20,9 +20,9 @@ namespace kvloop {
 // prefetch_ahead, and decode attention's keys).
 // NOTE: measured per CPU. On Zen 4, asking for the weights into L1 made a one-row bfloat16
 // pass slower than no prefetch at all (8.7 against 8.3 ms over the default model's layers)
-// and asking for them into L2 faster (6.7 ms; docs/native-kernels.md, thirteenth round); the
-// keys into L2 made a one-row int4 step at ~2,000 slots 0.935x the time and a 32-row one 0.95x
-// (twentieth round). On Sapphire Rapids only prefetcht0 was measured (twelfth round).
+// and asking for them into L2 faster (6.7 ms; docs/native-kernels.md); the
+// keys into L2 made a one-row int4 step at ~2,000 slots 0.935x the time and a 32-row one
+// 0.95x. On Sapphire Rapids only prefetcht0 was measured.
 inline const bool kPrefetchToL2 = [] {
   __builtin_cpu_init();
   return __builtin_cpu_is("amd") != 0;

@@ -4,7 +4,7 @@
 // Team::run(lead) runs lead() on the calling thread while the region's other threads wait,
 // spinning, for work; kvloop::parallel_for called from lead() hands each of them its share of
 // the range and returns once every share is done (outside a team it is at::parallel_for).
-// NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md, fifteenth round): an empty
+// NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md): an empty
 // at::parallel_for cost 1.7-2.0 µs back to back, ~0.26 ms of a 4.2 ms one-row 4-bit step
 // (120 products, 30 attentions, the LM head).
 // kvloop::parallel_tiles (a product's tiles) lets a thread done with its share take pieces of
@@ -282,7 +282,7 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn
 // parallel_for for a product's tiles, or any range whose every index is computed alone (see
 // Team::split_shared): inside a team, the shares are taken in pieces, so that a thread that
 // falls behind (descheduled, or slower to get its bytes) has the rest of its share taken.
-// NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md, seventeenth round): in one
+// NOTE: measured on the 2-core Zen 4 VM (docs/native-kernels.md): in one
 // process, a one-row decode step's layers 0.95x the time of split's fixed shares in
 // bfloat16, 0.975x in int4; served (where the HTTP side and the client take CPU time during
 // the steps), a bfloat16 step of one stream 8.2-8.6 ms against 9.4-11.7.
