@@ -40,6 +40,7 @@ from kvloop.server.app import ServerConfig, create_app
 from kvloop.server.async_engine import AsyncEngine
 from kvloop.server.dashboard import LiveRecorder, install_dashboard
 from kvloop.server.metrics import ServerMetrics
+from kvloop.viz.web.live import dashboard_parts
 
 PROMPT = "Explain how a paged KV cache lets a server batch many requests at once. " * 4
 
@@ -51,7 +52,8 @@ def start(model: str, dashboard: bool) -> tuple[str, uvicorn.Server, threading.T
     aengine = AsyncEngine(engine, metrics=metrics)
     app = create_app(aengine, metrics, ServerConfig(model, model, None, 0))
     if recorder is not None:
-        install_dashboard(app, recorder, api_key=None, source="bench", engine=aengine)
+        install_dashboard(app, recorder, **dashboard_parts(), api_key=None, source="bench",
+                          engine=aengine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -22,6 +22,7 @@ from kvloop.server.app import ServerConfig, create_app
 from kvloop.server.async_engine import AsyncEngine
 from kvloop.server.dashboard import LiveRecorder, install_dashboard
 from kvloop.server.metrics import ServerMetrics
+from kvloop.viz.web.live import dashboard_parts
 from server.serverkit import ENGINE_ARGS, MODEL_NAME
 
 SMALL_POOL = {**ENGINE_ARGS, "num_gpu_blocks": 12, "max_num_seqs": 8,
@@ -50,8 +51,8 @@ def start(model: Path, *, api_key: str | None = None, show_prompts: bool = False
     metrics = ServerMetrics(MODEL_NAME)
     aengine = AsyncEngine(engine, metrics=metrics)
     app = create_app(aengine, metrics, ServerConfig(MODEL_NAME, str(model), api_key, 0))
-    install_dashboard(app, recorder, api_key=api_key, source="test", engine=aengine,
-                      show_prompts=show_prompts)
+    install_dashboard(app, recorder, **dashboard_parts(), api_key=api_key, source="test",
+                      engine=aengine, show_prompts=show_prompts)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

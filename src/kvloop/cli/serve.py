@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from kvloop.server.dashboard import LiveRecorder, install_dashboard
     from kvloop.server.draining import DrainingServer
     from kvloop.server.metrics import ServerMetrics
+    from kvloop.viz.web.live import dashboard_parts
 
     limits = _check(args)
     check_cluster_args(args)
@@ -238,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
                               args.log_interval, max_request_bytes=args.max_request_bytes)
         app = create_app(async_engine, metrics, config)
         if isinstance(recorder, LiveRecorder):
-            install_dashboard(app, recorder, api_key=args.api_key, source=f"kvloop serve {name}",
-                              engine=async_engine, show_prompts=args.dashboard_show_prompts)
+            install_dashboard(app, recorder, **dashboard_parts(), api_key=args.api_key,
+                              source=f"kvloop serve {name}", engine=async_engine,
+                              show_prompts=args.dashboard_show_prompts)
         server = DrainingServer(
             uvicorn.Config(app, host=args.host, port=port, log_level="info",
                            access_log=not args.disable_uvicorn_access_log,

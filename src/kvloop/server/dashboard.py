@@ -1,5 +1,9 @@
 """``/dashboard``: the web view of the loop (``kvloop.viz.web``), live from the engine.
 
+The page itself (HTML, CSS, JavaScript and the words for the records' codes) belongs to the
+layer above (``kvloop.viz.web``): the command line hands it to ``install_dashboard``
+(``kvloop.viz.web.live.dashboard_parts``).
+
 The engine thread only appends each step's record to a bounded ring (``LiveRecorder``);
 each open dashboard reads the ring from the event loop at most ``MAX_UPDATES_PER_S`` times a
 second and sends the new records as one server-sent event. So an open dashboard costs the
@@ -18,7 +22,7 @@ import hmac
 import json
 import threading
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict
 from typing import IO, Any
 
@@ -26,8 +30,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvloop.core.stats import StepRecord, StepRecorder
-from kvloop.viz.web.assets import SECURITY_HEADERS, asset, page
-from kvloop.viz.web.payload import words
 
 MAX_UPDATES_PER_S = 10
 """Most server-sent events a dashboard gets a second."""
@@ -41,6 +43,14 @@ KEEPALIVE_S = 15.0
 """Seconds without steps after which an event comment keeps the connection open."""
 PROMPTS_KEPT = 256
 """Prompt texts remembered for the dashboard (``--dashboard-show-prompts``)."""
+SECURITY_HEADERS: dict[str, str] = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "style-src 'self'; script-src 'self'; object-src 'none'; "
+                               "base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+"""Headers of the dashboard's answers: only the page's own files run."""
 
 
 class LiveRecorder(StepRecorder):
@@ -127,9 +137,9 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 async def _events(request: Request, recorder: LiveRecorder, source: str,
-                  prompts: PromptBook | None) -> AsyncIterator[str]:
+                  words: Mapping[str, Any], prompts: PromptBook | None) -> AsyncIterator[str]:
     records, seen = recorder.since(0, FIRST_STEPS)
-    first: dict[str, Any] = {"source": source, "words": words(),
+    first: dict[str, Any] = {"source": source, "words": words,
                              "records": [asdict(r) for r in records]}
     noted = 0
     if prompts is not None:
@@ -157,9 +167,12 @@ async def _events(request: Request, recorder: LiveRecorder, source: str,
                 yield ": keepalive\n\n"
 
 
-def install_dashboard(app: FastAPI, recorder: LiveRecorder, *, api_key: str | None,
-                      source: str, engine: Any = None, show_prompts: bool = False) -> None:
-    """Add ``/dashboard`` (the page), its files and ``/dashboard/events`` to ``app``.
+def install_dashboard(app: FastAPI, recorder: LiveRecorder, *, page: bytes,
+                      files: Mapping[str, tuple[bytes, str]], words: Mapping[str, Any],
+                      api_key: str | None, source: str, engine: Any = None,
+                      show_prompts: bool = False) -> None:
+    """Add ``/dashboard`` (``page``), its ``files`` (name -> bytes and content type) and
+    ``/dashboard/events`` to ``app``; ``words`` go to each dashboard with its first event.
 
     ``engine``: the ``AsyncEngine`` whose request prompts are shown (``show_prompts``)."""
     prompts = PromptBook() if show_prompts else None
@@ -170,20 +183,19 @@ def install_dashboard(app: FastAPI, recorder: LiveRecorder, *, api_key: str | No
     async def dashboard(request: Request) -> Response:
         if not _authorized(request, api_key):
             return _refuse()
-        return Response(page("live", "/dashboard/"), media_type="text/html; charset=utf-8",
-                        headers=SECURITY_HEADERS)
+        return Response(page, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def events(request: Request) -> Response:
         if not _authorized(request, api_key):
             return _refuse()
-        return StreamingResponse(_events(request, recorder, source, prompts),
+        return StreamingResponse(_events(request, recorder, source, words, prompts),
                                  media_type="text/event-stream",
                                  headers={**SECURITY_HEADERS, "X-Accel-Buffering": "no"})
 
     @app.get("/dashboard/{name}", include_in_schema=False)
-    async def files(name: str) -> Response:
-        found = asset(name)
+    async def dashboard_file(name: str) -> Response:
+        found = files.get(name)
         if found is None:
             body = {"error": {"message": f"no dashboard file {name!r}", "type": "not_found",
                               "param": None, "code": None}}
