@@ -35,7 +35,8 @@ _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm"}
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +64,8 @@ def _model(kind: str):
                   rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=kind != "llama")
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common)
+    elif kind == "qwen3":  # per-head query/key norms, a head_dim apart from hidden / heads
+        cfg = transformers.Qwen3Config(**common, head_dim=32)
     else:
         scaling = dict(LLAMA3) if kind == "llama3" else None  # a copy: the config adds to it
         cfg = transformers.LlamaConfig(**common, rope_scaling=scaling)
@@ -118,6 +121,9 @@ def write_gguf(path, model, tok: Tokenizer, arch: str) -> dict[str, np.ndarray]:
     w.add_vocab_size(cfg.vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // n_head:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     merges = [" ".join(m) if isinstance(m, list) else m
@@ -162,11 +168,11 @@ def tiny_tok() -> Tokenizer:
     return _tokenizer()
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3"])
 def test_gguf_converts_to_a_folder_transformers_loads(tmp_path, tiny_tok, kind):
     model = _model(kind)
     path = tmp_path / f"tiny-{kind}.gguf"
-    expected = write_gguf(path, model, tiny_tok, "qwen2" if kind == "qwen2" else "llama")
+    expected = write_gguf(path, model, tiny_tok, kind if kind.startswith("qwen") else "llama")
     folder = resolve_model(str(path))
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

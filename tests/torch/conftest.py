@@ -97,6 +97,12 @@ def qwen2_config(**overrides: object) -> object:
     return transformers.Qwen2Config(**{**_COMMON, "tie_word_embeddings": True, **overrides})
 
 
+def qwen3_config(**overrides: object) -> object:
+    """Qwen3: per-head query and key norms; a head_dim that is not hidden / heads."""
+    return transformers.Qwen3Config(**{**_COMMON, "head_dim": 32, "tie_word_embeddings": True,
+                                       **overrides})
+
+
 @pytest.fixture(scope="module")
 def llama_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return build_tiny(tmp_path_factory.mktemp("llama"), llama_config())
@@ -107,7 +113,12 @@ def qwen2_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return build_tiny(tmp_path_factory.mktemp("qwen2"), qwen2_config(), seed=1)
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return build_tiny(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=2)
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def tiny(request: pytest.FixtureRequest) -> TinyModel:
     return request.getfixturevalue(f"{request.param}_model")
 

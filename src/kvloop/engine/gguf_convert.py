@@ -31,6 +31,7 @@ SHARD_BYTES = 2 << 30
 _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -38,7 +39,8 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _IGNORED_TENSORS = {"rope_freqs.weight"}  # read into config.json's rope_scaling instead
 # llama.cpp pre-tokenizers that split every digit apart (transformers' GGUF reader misses them)

@@ -49,7 +49,8 @@ LAYOUTS = {cls.__name__: cls for cls in (
     linear_layouts.Int4Linear, linear_layouts.Int8Linear)}
 """The matrix layouts that can be saved: plain tensors and scalars in their attributes."""
 _MATRICES = ("qkv", "o", "gate_up", "down")
-_FORMAT = "kvloop-ready-weights-1"
+_OPTIONAL_NORMS = ("q_norm", "k_norm")
+_FORMAT = "kvloop-ready-weights-2"
 
 
 def ready_dir() -> Path:
@@ -111,6 +112,8 @@ def _state(model: LlamaForCausalLM) -> tuple[dict[str, Tensor], dict[str, Any]] 
             plan["layers"].append({
                 "input_norm": put(p + "input_norm", layer.input_norm),
                 "post_norm": put(p + "post_norm", layer.post_norm),
+                **{n: {"value": None} if getattr(layer, n) is None else
+                   put(p + n, getattr(layer, n)) for n in _OPTIONAL_NORMS},
                 **{m: matrix(p + m, getattr(layer, m)) for m in _MATRICES}})
         plan["lm_head"] = matrix("lm_head", model.lm_head)
     except TypeError as exc:
@@ -204,6 +207,7 @@ def _build(cls: type[LlamaForCausalLM], config: ModelConfig, tensors: dict[str, 
     if len(plan["layers"]) != config.num_layers:
         raise ValueError(f"{len(plan['layers'])} layers, the config has {config.num_layers}")
     layers = [DecoderLayer(input_norm=get(spec["input_norm"]), post_norm=get(spec["post_norm"]),
+                           **{n: get(spec[n]) for n in _OPTIONAL_NORMS},
                            **{m: matrix(spec[m]) for m in _MATRICES})
               for spec in plan["layers"]]
     return cls(config, get(plan["embed"]), layers, get(plan["norm"]), matrix(plan["lm_head"]))

@@ -1,7 +1,8 @@
 """Model architectures kvloop can run, and their configuration parsed from ``config.json``.
 
 A registry maps the Hugging Face architecture name (``config.json``'s ``architectures[0]``)
-to the class that implements it; every Llama-family name maps to one implementation.
+to the class that implements it; every Llama-family name maps to one implementation (Qwen3's
+per-head query and key norms are weights the checkpoint has or not).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 """Architecture name -> implementation class."""
 
@@ -25,6 +27,7 @@ _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 """``model_type`` -> architecture, for configs saved without ``architectures``."""
 
@@ -162,7 +165,7 @@ def _sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return None
         types = cfg.get("layer_types")

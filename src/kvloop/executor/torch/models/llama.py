@@ -90,6 +90,10 @@ class DecoderLayer:
     post_norm: Tensor
     gate_up: Linear
     down: Linear
+    q_norm: Tensor | None = None
+    """RMSNorm weights [head_dim] of each query head before RoPE (Qwen3), or None."""
+    k_norm: Tensor | None = None
+    """And of each key head (with ``q_norm``)."""
 
 
 class LlamaForCausalLM:
@@ -178,6 +182,8 @@ class LlamaForCausalLM:
         (as :meth:`adopt_moved_weights` does)."""
         cfg, norms, matrices = self.config, [], []
         for layer in self.layers:
+            if layer.q_norm is not None:  # NOTE: the one call has no query/key norms
+                return None
             norms += [layer.input_norm, layer.post_norm]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 operands = getattr(lin, "native_operands", None)
@@ -213,8 +219,11 @@ class LlamaForCausalLM:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             att, mlp = p + "self_attn.", p + "mlp."
+            qk_norms = has(att + "q_norm.weight")
             layers.append(
                 DecoderLayer(
+                    q_norm=get(att + "q_norm.weight") if qk_norms else None,
+                    k_norm=get(att + "k_norm.weight") if qk_norms else None,
                     input_norm=get(p + "input_layernorm.weight"),
                     qkv=linear([att + f"{n}_proj.weight" for n in "qkv"], config.qkv_bias),
                     o=linear([att + "o_proj.weight"], config.o_bias),
@@ -352,6 +361,8 @@ class LlamaForCausalLM:
             h = rms_norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
             qk = qkv[:, :qk_size].view(num_tokens, qk_heads, head_dim)
+            if layer.q_norm is not None:
+                self._norm_heads(qk, layer)
             rotated = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
             qk.mul_(cos).addcmul_(rotated, sin)
             v = qkv[:, qk_size:].view(num_tokens, -1, head_dim)
@@ -363,6 +374,14 @@ class LlamaForCausalLM:
             layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
         x = rms_norm(_rows(x, logits_indices), self.norm, eps)
         return logits(self.lm_head, x)
+
+    def _norm_heads(self, qk: Tensor, layer: DecoderLayer) -> None:
+        """Qwen3's per-head RMSNorm of the query and key heads of ``qk`` [T, heads, d], in
+        place, before RoPE."""
+        n = self.config.num_heads
+        eps = self.config.rms_norm_eps
+        qk[:, :n] = rms_norm(qk[:, :n], layer.q_norm, eps)
+        qk[:, n:] = rms_norm(qk[:, n:], layer.k_norm, eps)
 
     def _fused_logits(self, x: Tensor, logits_indices: Tensor | None) -> Tensor:
         """float32 logits of the rows ``logits_indices`` of ``x`` (None: all, normed in place
@@ -385,6 +404,9 @@ class LlamaForCausalLM:
         for layer, cache in zip(self.layers, kv_layers, strict=True):
             native.call("rms_norm", x, layer.input_norm, eps, h)
             qkv = layer.qkv(h)
+            if layer.q_norm is not None:
+                self._norm_heads(qkv[:, :self._qk_heads * head_dim].view(
+                    num_tokens, self._qk_heads, head_dim), layer)
             native.call("rope_write_kv", qkv, cos, sin, cache, slots, num_heads, num_kv)
             q = qkv[:, : self._q_size].view(num_tokens, num_heads, head_dim)
             layer.o.add_to_(x, attention(q, cache, meta, self.scale))
