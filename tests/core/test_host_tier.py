@@ -19,7 +19,8 @@ BS = 4
 
 
 def make(num_gpu: int, num_cpu: int = 0, offload: int = 0, **kw: object) -> Scheduler:
-    cache = {k: kw.pop(k) for k in list(kw) if k.startswith("kv_")}
+    cache = {k: kw.pop(k) for k in list(kw)
+             if k.startswith("kv_") or k == "enable_prefix_caching"}
     return Scheduler(
         SchedulerConfig(max_model_len=256, max_num_batched_tokens=64, **kw),  # type: ignore
         CacheConfig(block_size=BS, num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu,
@@ -187,3 +188,29 @@ def test_two_tiers_keep_kv_exact(seed: int, num_gpu: int, num_cpu: int, offload:
         base = _run(seed, 14, num_gpu, num_cpu, 0, False,
                     preemption_mode=kw["preemption_mode"])
         assert got == base
+
+
+def test_queue_aware_eviction_passes_over_what_the_queue_will_hit() -> None:
+    from kvloop.core.block_pool import BlockPool
+
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(4)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, bytes([i]))
+    pool.free_blocks(blocks)  # LRU order 0, 1, 2, 3
+    pool.protected = {bytes([0]), bytes([2])}
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [1, 3]
+    assert [b.block_id for b in pool.get_new_blocks(1)] == [0]  # none unprotected left
+    pool.check_invariants({b.block_id: 1 for b in blocks if b.block_id != 2})
+
+
+def test_no_prefix_cache_means_no_host_tier() -> None:
+    s = make(num_gpu=8, num_cpu=2, offload=16, enable_prefix_caching=False)
+    assert s.kv.plain_lru and s.kv.num_cpu_blocks == 2 and s.kv.host.num_blocks == 2
+
+
+def test_engine_args_refuse_a_negative_offload_space() -> None:
+    from kvloop.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match="kv_offload_space"):
+        EngineArgs(kv_offload_space=-1.0).cache_config(8, 0)

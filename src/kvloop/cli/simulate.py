@@ -144,6 +144,8 @@ def build_configs(
                                     gpu_memory_utilization=ea.gpu_memory_utilization, ep=ep)
     cpu_blocks = num_cpu_blocks(model, block_size=ea.block_size, tp=tp,
                                 swap_space_gib=ea.swap_space)
+    if ea.kv_offload_space < 0:
+        raise ValueError(f"--kv-offload-space must be >= 0 GiB, got {ea.kv_offload_space}")
     offload = num_cpu_blocks(model, block_size=ea.block_size, tp=tp,
                              swap_space_gib=ea.kv_offload_space)
     max_len = ea.max_model_len or model.max_position_embeddings

@@ -72,9 +72,10 @@ class KVOffload:
     _hashes: HashMemo
 
     def _init_offload(self, cfg: CacheConfig) -> None:
-        self.host = HostTier(cfg.num_cpu_blocks, cfg.kv_offload_blocks)
         self.host_prefix = cfg.kv_offload_blocks > 0 and cfg.enable_prefix_caching
-        """Whether the prefix cache has a host tier."""
+        """Whether the prefix cache has a host tier (no prefix cache: no tier)."""
+        self.host = HostTier(cfg.num_cpu_blocks, cfg.kv_offload_blocks if self.host_prefix
+                             else 0)
         self.queue_aware = cfg.kv_eviction == "queue-aware" and cfg.enable_prefix_caching
         self.lookahead = cfg.kv_eviction_lookahead
         self.plain_lru = not (self.host_prefix or self.queue_aware)

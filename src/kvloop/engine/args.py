@@ -141,6 +141,10 @@ class EngineArgs:
         """The KV cache's config for the block counts the executor has room for;
         ``load_costs``: (seconds per block loaded, per load, per prompt token prefilled)."""
         per_block, latency, per_token = load_costs
+        if not (isinstance(self.kv_offload_space, (int, float)) and self.kv_offload_space >= 0):
+            raise ValueError(
+                f"kv_offload_space (--kv-offload-space) must be >= 0 GiB, got "
+                f"{self.kv_offload_space!r}")
         return CacheConfig(
             block_size=self.block_size,
             num_gpu_blocks=num_gpu_blocks,

@@ -147,7 +147,9 @@ class TorchModelRunner:
             )
         self.num_gpu_blocks: int = num_gpu_blocks
         self.num_cpu_blocks: int = num_cpu_blocks
-        self.num_offload_blocks: int = max(0, kv_offload_bytes) // per_block
+        if kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {kv_offload_bytes}")
+        self.num_offload_blocks: int = kv_offload_bytes // per_block
         """Host blocks of the prefix cache's second tier (after the swap blocks)."""
         self.block_bytes: int = per_block
         self.kv_cache = KVCache(
