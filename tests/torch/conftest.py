@@ -113,6 +113,21 @@ def qwen2_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return build_tiny(tmp_path_factory.mktemp("qwen2"), qwen2_config(), seed=1)
 
 
+def mixtral_config(**overrides: object) -> object:
+    """Mixtral: every layer a mixture of 4 experts, 2 per token."""
+    return transformers.MixtralConfig(**{**_COMMON, "num_local_experts": 4,
+                                         "num_experts_per_tok": 2, **overrides})
+
+
+def qwen3_moe_config(**overrides: object) -> object:
+    """Qwen3-MoE: query/key norms; a dense second layer, experts of their own width,
+    top-k probabilities not renormalised."""
+    return transformers.Qwen3MoeConfig(**{
+        **_COMMON, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": False,
+        **overrides})
+
+
 @pytest.fixture(scope="module")
 def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return build_tiny(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=2)

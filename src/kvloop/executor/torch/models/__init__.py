@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.executor.torch.models.llama import LlamaForCausalLM
+from kvloop.executor.torch.models.moe import MoESpec
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 """Architecture name -> implementation class."""
 
@@ -28,6 +31,8 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 """``model_type`` -> architecture, for configs saved without ``architectures``."""
 
@@ -73,6 +78,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: str | None = None
     """The checkpoint's dtype as saved ("bfloat16", ...), if recorded."""
+    moe: MoESpec | None = None
+    """The mixture-of-experts layout (Mixtral, Qwen3-MoE), or None for a dense model."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The raw config.json, for anything not parsed above."""
 
@@ -125,6 +132,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg, generation_config or {}),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            moe=MoESpec.from_config(arch, cfg, int(cfg["num_hidden_layers"])),
             extra=dict(cfg),
         )
 
@@ -165,7 +173,7 @@ def _sliding_window(arch: str, cfg: Mapping[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return None
         types = cfg.get("layer_types")

@@ -36,6 +36,7 @@ from kvloop.executor.torch.linear import (
     logits,
     make_linear,
 )
+from kvloop.executor.torch.models.moe import MoE
 
 if TYPE_CHECKING:
     from kvloop.executor.torch.huge_pages import HugePageMove
@@ -88,12 +89,32 @@ class DecoderLayer:
     qkv: Linear
     o: Linear
     post_norm: Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None
+    """The fused gate/up matrix of a dense MLP (None where ``moe`` is the MLP)."""
+    down: Linear | None
     q_norm: Tensor | None = None
     """RMSNorm weights [head_dim] of each query head before RoPE (Qwen3), or None."""
     k_norm: Tensor | None = None
     """And of each key head (with ``q_norm``)."""
+    moe: MoE | None = None
+    """The layer's mixture of experts, in place of the dense MLP (Mixtral, Qwen3-MoE)."""
+
+    @property
+    def mlp_tensors(self) -> list[Tensor]:
+        """The MLP's tensors, in the order a step reads them."""
+        if self.moe is not None:
+            return self.moe.tensors
+        assert self.gate_up is not None and self.down is not None
+        return [*self.gate_up.tensors, *self.down.tensors]
+
+    def mlp_add_to_(self, x: Tensor, h: Tensor) -> None:
+        """``x += MLP(h)`` (``h``: the post-attention normed ``x``), plain torch ops."""
+        if self.moe is not None:
+            x.add_(self.moe(h))
+            return
+        assert self.gate_up is not None and self.down is not None
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        self.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaForCausalLM:
@@ -182,7 +203,7 @@ class LlamaForCausalLM:
         (as :meth:`adopt_moved_weights` does)."""
         cfg, norms, matrices = self.config, [], []
         for layer in self.layers:
-            if layer.q_norm is not None:  # NOTE: the one call has no query/key norms
+            if layer.q_norm is not None or layer.moe is not None:  # NOTE: not in the one call
                 return None
             norms += [layer.input_norm, layer.post_norm]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -220,6 +241,8 @@ class LlamaForCausalLM:
             p = f"model.layers.{i}."
             att, mlp = p + "self_attn.", p + "mlp."
             qk_norms = has(att + "q_norm.weight")
+            moe = (MoE.load(config.moe, p, get, linear)
+                   if config.moe is not None and i in config.moe.layers else None)
             layers.append(
                 DecoderLayer(
                     q_norm=get(att + "q_norm.weight") if qk_norms else None,
@@ -228,9 +251,10 @@ class LlamaForCausalLM:
                     qkv=linear([att + f"{n}_proj.weight" for n in "qkv"], config.qkv_bias),
                     o=linear([att + "o_proj.weight"], config.o_bias),
                     post_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-                                   config.mlp_bias),
-                    down=linear([mlp + "down_proj.weight"], config.mlp_bias),
+                    gate_up=None if moe else linear(
+                        [mlp + "gate_proj.weight", mlp + "up_proj.weight"], config.mlp_bias),
+                    down=None if moe else linear([mlp + "down_proj.weight"], config.mlp_bias),
+                    moe=moe,
                 )
             )
         head_quantization = HEAD_QUANTIZATION.get(quantization) if quantization else None
@@ -264,7 +288,9 @@ class LlamaForCausalLM:
         """kvloop's CPU kernels (``native``) this model runs, by name (the load line)."""
         names: set[str] = set()
         for lin in (self.lm_head, *(m for layer in self.layers
-                                    for m in (layer.qkv, layer.o, layer.gate_up, layer.down))):
+                                    for m in (layer.qkv, layer.o, layer.gate_up, layer.down,
+                                              *(m for pair in (layer.moe.experts if layer.moe
+                                                               else ()) for m in pair)))):
             if (operands := getattr(lin, "native_operands", None)) is not None:
                 names.add(operands[0])
         for name, rows in native.amx_rows().items():
@@ -282,7 +308,7 @@ class LlamaForCausalLM:
         tensors: list[Tensor] = []
         for layer in self.layers:
             tensors += [layer.input_norm, *layer.qkv.tensors, *layer.o.tensors,
-                        layer.post_norm, *layer.gate_up.tensors, *layer.down.tensors]
+                        layer.post_norm, *layer.mlp_tensors]
         return [*tensors, self.norm, *self.lm_head.tensors]
 
     def rope(self, positions: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
@@ -369,9 +395,7 @@ class LlamaForCausalLM:
             write_kv(cache, qk[:, num_heads:], v, slots)
             attn = attention(qk[:, :num_heads], cache, meta, self.scale)
             layer.o.add_to_(x, attn)
-            h = rms_norm(x, layer.post_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            layer.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
+            layer.mlp_add_to_(x, rms_norm(x, layer.post_norm, eps))
         x = rms_norm(_rows(x, logits_indices), self.norm, eps)
         return logits(self.lm_head, x)
 
@@ -411,6 +435,9 @@ class LlamaForCausalLM:
             q = qkv[:, : self._q_size].view(num_tokens, num_heads, head_dim)
             layer.o.add_to_(x, attention(q, cache, meta, self.scale))
             native.call("rms_norm", x, layer.post_norm, eps, h)
+            if layer.moe is not None:
+                x.add_(layer.moe(h))
+                continue
             native.call("silu_mul", layer.gate_up(h), act)
             layer.down.add_to_(x, act)
 
