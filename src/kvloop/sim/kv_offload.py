@@ -23,9 +23,12 @@ budget on GPUs)."""
 def load_costs(cost: StepCost, block_size: int) -> tuple[float, float, float]:
     """(seconds per block loaded host -> device, per load, per prompt token prefilled) on
     the simulated device, for ``CacheConfig``'s ``kv_load_*`` and
-    ``kv_recompute_s_per_token``."""
-    per_block = cost.step_time(0, 0, (), 1, block_size=block_size)
-    per_token = cost.step_time(0, 0, [(RECOMPUTE_CHUNK, 0)]) / RECOMPUTE_CHUNK
+    ``kv_recompute_s_per_token``; zeros (load) when the cost model cannot price them."""
+    try:
+        per_block = cost.step_time(0, 0, (), 1, block_size=block_size)
+        per_token = cost.step_time(0, 0, [(RECOMPUTE_CHUNK, 0)]) / RECOMPUTE_CHUNK
+    except KeyError:  # NOTE: recorded step times (``MeasuredSteps``) may not know these
+        return 0.0, 0.0, 0.0  # unknown: ``auto`` loads
     return per_block, 0.0, per_token
 
 

@@ -67,8 +67,11 @@ class SimulatedExecutor:
                                    len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
                                    + len(out.blocks_to_load))
         if out.blocks_to_offload:
-            store = self.cost_model.step_time(0, 0, (), len(out.blocks_to_offload),
-                                              block_size=self.block_size)
+            try:
+                store = self.cost_model.step_time(0, 0, (), len(out.blocks_to_offload),
+                                                  block_size=self.block_size)
+            except KeyError:  # NOTE: recorded step times may not price a bare copy
+                store = 0.0
             step_time = max(step_time, store)
         return ModelRunnerOutput(dict.fromkeys(scheduled, _ONE), step_time)
 
