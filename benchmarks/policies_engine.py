@@ -12,7 +12,8 @@ service while requests arrive, the heavy tenant's share of it, and the server's
 preemptions and recomputed tokens (``/metrics``).
 
     python benchmarks/policies_engine.py [--num-prompts 60] [--rate 3.5] [--slo-ttft 4]
-        [--slo-tpot 0.3] [--policies fcfs,prefill-first,slo,slo-reject,fair,fcfs-newest]
+        [--slo-tpot 0.3]
+        [--policies fcfs,prefill-first,slo,slo-reject,fair,fcfs-newest,sjf,mlfq,balanced]
         [--num-gpu-blocks 96] [--json PATH]
 """
 
@@ -44,6 +45,9 @@ CONFIGS: dict[str, list[str]] = {
     "slo": ["--scheduling-policy", "slo"],
     "slo-reject": ["--scheduling-policy", "slo", "--slo-overload", "reject"],
     "fair": ["--scheduling-policy", "fair"],
+    "sjf": ["--scheduling-policy", "sjf", "--length-predictor", "history"],
+    "mlfq": ["--scheduling-policy", "mlfq"],
+    "balanced": ["--scheduling-policy", "balanced", "--length-predictor", "history"],
 }
 """Policy label -> ``kvloop serve`` flags (SLO targets and the KV pool are added to all)."""
 TENANT_MIX = "0.6,0.1,0.1,0.1,0.1"
@@ -135,6 +139,9 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
         "errors": report["errors"], "goodput": s["goodput"],
         "request_throughput": s["request_throughput"],
         "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"],
+        "e2e_mean": s["e2e"]["mean"], "e2e_p99": s["e2e"]["p99"],
+        "attainment": (s.get("slo_attainment") or {}).get("both"),
+        "qoe": (s.get("qoe") or {}).get("mean"),
         "tpot_p50": s["tpot"]["p50"], "tpot_p99": s["tpot"]["p99"],
         "jain_index": s.get("jain_index"), "jain_light": light_jain,
         "heavy_share": tenants.get("t0", {}).get("service_tokens", 0) / served,
@@ -175,14 +182,18 @@ def main() -> int:
         started = time.perf_counter()
         rows.append(run_one(label, args))
         print(f"  {label}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    head = ("| policy | goodput req/s | done | failed | TTFT p50/p99 s | TPOT p50/p99 ms | "
-            "Jain (all / light) | heavy share | preempt | recomputed |")
+    head = ("| policy | goodput req/s | SLO attained | done | failed | TTFT p50/p99 s | "
+            "e2e mean/p99 s | TPOT p50/p99 ms | QoE | Jain (all / light) | heavy share | "
+            "preempt | recomputed |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
-        print(f"| {r['policy']} | {_fmt(r['goodput'], digits=3)} | {r['completed']} | "
+        print(f"| {r['policy']} | {_fmt(r['goodput'], digits=3)} | "
+              f"{_fmt(r['attainment'], 100, 0)}% | {r['completed']} | "
               f"{r['failed']} | {_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p99'])} | "
+              f"{_fmt(r['e2e_mean'])} / {_fmt(r['e2e_p99'])} | "
               f"{_fmt(r['tpot_p50'], 1000, 0)} / {_fmt(r['tpot_p99'], 1000, 0)} | "
+              f"{_fmt(r['qoe'], digits=3)} | "
               f"{_fmt(r['jain_index'])} / {_fmt(r['jain_light'])} | "
               f"{_fmt(r['heavy_share'])} | {r['preemptions']:.0f} | "
               f"{r['recomputed_tokens']:.0f} |")
