@@ -40,8 +40,6 @@ class HostTierStats:
     """Blocks copied host -> device for prefix hits."""
     host_evictions: int = 0
     """Prefix-tier blocks dropped for room (its LRU, or reclaimed by swap)."""
-    protected_evictions_avoided: int = 0
-    """Device evictions that skipped a block the waiting queue is about to hit."""
 
 
 class HostTier:
