@@ -13,7 +13,10 @@ of concurrent completions (``ignore_eos``, so every request generates ``--max-to
 Throughput is output tokens over the batch's wall time; the table gives the median over
 rounds (variants interleaved within each round) and each variant against ``dashboard closed``,
 and the process's CPU time per 1,000 output tokens (all threads: engine, HTTP, dashboard),
-which a busy shared machine disturbs far less than wall time.
+which a busy shared machine disturbs far less than wall time. Last, what an open dashboard
+adds outside the engine thread: the time to encode a step's record as its events do, times
+the steps the engine ran a second with it open: the share of one core (and of the GIL) the
+event loop spends on it.
 
 Run (from the repository root, with the project's virtual environment active)::
 
@@ -24,6 +27,7 @@ Run (from the repository root, with the project's virtual environment active)::
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import socket
 import statistics
@@ -45,8 +49,8 @@ from kvloop.viz.web.live import dashboard_parts
 PROMPT = "Explain how a paged KV cache lets a server batch many requests at once. " * 4
 
 
-def start(model: str, dashboard: bool) -> tuple[str, uvicorn.Server, threading.Thread]:
-    recorder = LiveRecorder() if dashboard else None
+def start(model: str, recorder: LiveRecorder | None
+          ) -> tuple[str, uvicorn.Server, threading.Thread]:
     engine = LLMEngine.from_args(EngineArgs(model=model), recorder=recorder)
     metrics = ServerMetrics(model)
     aengine = AsyncEngine(engine, metrics=metrics)
@@ -121,20 +125,25 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    plain, s1, t1 = start(args.model, dashboard=False)
-    live, s2, t2 = start(args.model, dashboard=True)
+    recorder = LiveRecorder()
+    plain, s1, t1 = start(args.model, None)
+    live, s2, t2 = start(args.model, recorder)
     for url in (plain, live):  # warm-up
         batch(url, args.model, args.requests, 8)
     results: dict[str, list[tuple[float, float]]] = {
         "no dashboard": [], "dashboard closed": [], "dashboard open": []}
-    events = 0
+    events = steps = 0
+    open_s = 0.0
     for _ in range(args.rounds):
         results["no dashboard"].append(batch(plain, args.model, args.requests, args.max_tokens))
         results["dashboard closed"].append(
             batch(live, args.model, args.requests, args.max_tokens))
         with Watcher(live) as w:
+            before, t0 = recorder.since(0, 0)[1], time.perf_counter()
             results["dashboard open"].append(
                 batch(live, args.model, args.requests, args.max_tokens))
+            steps += recorder.since(0, 0)[1] - before
+            open_s += time.perf_counter() - t0
             events += w.events
     for server in (s1, s2):
         server.should_exit = True
@@ -155,6 +164,14 @@ def main() -> None:
               f"{cpu / base_cpu:>9.3f}x")
     print(f"dashboard events received while open: {events} "
           f"({events / args.rounds:.0f} a batch)")
+    records = recorder.since(0, 300)[0]
+    t0 = time.perf_counter()
+    for _ in range(5):
+        json.dumps({"records": [r.to_dict() for r in records]}, separators=(",", ":"))
+    per_step = (time.perf_counter() - t0) / (5 * len(records))
+    rate = steps / open_s
+    print(f"encoding a step for the events: {per_step * 1e6:.0f} us; the engine ran "
+          f"{rate:.1f} steps/s with a dashboard open: {100 * per_step * rate:.2f}% of one core")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 
@@ -92,8 +92,16 @@ class StepRecord:
     """(request_id, ``load`` or ``recompute``, host blocks) for admissions whose prefix
     continued in the host tier: the scheduler's choice by the load and prefill costs."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The record as its JSON line has it (``asdict``'s result, several times faster).
+
+        NOTE: shares the record's lists and its entries' dicts: read it, do not change it."""
+        d = dict(vars(self))
+        d["scheduled"] = [vars(e) for e in self.scheduled]
+        return d
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepRecord:

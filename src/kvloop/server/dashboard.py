@@ -23,7 +23,6 @@ import json
 import threading
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import asdict
 from typing import IO, Any
 
 from fastapi import FastAPI, Request
@@ -37,7 +36,7 @@ RING_STEPS = 2048
 """Step records the server keeps for dashboards (the page keeps as many)."""
 FIRST_STEPS = 300
 """Recent steps a newly opened dashboard starts with."""
-MAX_STEPS_PER_EVENT = 500
+MAX_STEPS_PER_EVENT = 200
 """Most records one event carries (a burst beyond it: the newest)."""
 KEEPALIVE_S = 15.0
 """Seconds without steps after which an event comment keeps the connection open."""
@@ -140,7 +139,7 @@ async def _events(request: Request, recorder: LiveRecorder, source: str,
                   words: Mapping[str, Any], prompts: PromptBook | None) -> AsyncIterator[str]:
     records, seen = recorder.since(0, FIRST_STEPS)
     first: dict[str, Any] = {"source": source, "words": words,
-                             "records": [asdict(r) for r in records]}
+                             "records": [r.to_dict() for r in records]}
     noted = 0
     if prompts is not None:
         first["prompts"] = prompts.latest(50)
@@ -153,7 +152,7 @@ async def _events(request: Request, recorder: LiveRecorder, source: str,
         records, seen = recorder.since(seen, MAX_STEPS_PER_EVENT)
         payload: dict[str, Any] = {}
         if records:
-            payload["records"] = [asdict(r) for r in records]
+            payload["records"] = [r.to_dict() for r in records]
         if prompts is not None and prompts.count != noted:
             payload["prompts"] = prompts.latest(min(50, prompts.count - noted))
             noted = prompts.count

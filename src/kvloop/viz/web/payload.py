@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from kvloop.core.decisions import CAUSE_WORDS, REASON_WORDS
@@ -17,7 +16,7 @@ def words() -> dict[str, dict[str, str]]:
 
 def record_dicts(records: list[StepRecord]) -> list[dict[str, Any]]:
     """Each record as its JSONL line has it."""
-    return [asdict(r) for r in records]
+    return [r.to_dict() for r in records]
 
 
 def trace_payload(records: list[StepRecord], source: str) -> dict[str, Any]:
