@@ -27,7 +27,8 @@ Also: the fairness scenario (azure-conv's first 12000 requests at 12x their reco
 so every tenant is backlogged for minutes; fcfs / fair / balanced: VTC gap and Jain over
 backlogged windows), the history predictor's Kendall's tau per trace,
 the aging bound under sjf (requests started before one that arrived more than ``aging_s``
-earlier) and whether ``balanced`` is within 10% of the best policy in every column.
+earlier), sjf against the noisy oracle's Kendall tau (azure-code at 1.0x) and whether
+``balanced`` is within 10% of the best policy in every column.
 
 Writes ``docs/policies.md`` (text after the ``HAND-WRITTEN`` marker is kept) and prints the
 tables and the targets.
@@ -93,6 +94,7 @@ FAIRNESS_POLICIES = ("fcfs", "fair", "balanced")
 TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
 GOODPUT_RANGE, GOODPUT_TOL, GOODPUT_RUNS = (0.05, 1.5), 0.04, 9
 WITHIN = 0.10
+TAU_TRACE, TAU_LOAD, TAUS = "azure-code", 1.0, (0.0, 0.25, 0.5, 0.75, 1.0)
 COLUMNS: tuple[tuple[str, str, bool], ...] = (
     # (row key, header, higher is better)
     ("distserve", "DistServe goodput req/s", True),
@@ -114,10 +116,12 @@ def cost_model() -> CostModel:
                      overhead=engine_overhead("vllm"))
 
 
-def configs(policy: str, slos: tuple[float, float]) -> tuple[SchedulerConfig, CacheConfig]:
-    """The engine's configs for one run (the device supplies max_model_len and the pool)."""
+def configs(policy: str, slos: tuple[float, float], **extra: Any
+            ) -> tuple[SchedulerConfig, CacheConfig]:
+    """The engine's configs for one run (the device supplies max_model_len and the pool;
+    ``extra``: more ``EngineArgs`` fields)."""
     ea = EngineArgs(max_num_batched_tokens=8192, slo_ttft=slos[0], slo_tpot=slos[1],
-                    **POLICIES[policy])  # type: ignore[arg-type]
+                    **(POLICIES[policy] | extra))  # type: ignore[arg-type]
     return build_configs(ea, get_model_spec(MODEL), get_hardware_spec(GPU), 1)
 
 
@@ -247,8 +251,34 @@ def run_fairness(task: dict[str, Any]) -> dict[str, Any]:
             "attainment": m["slo_attainment"]["both"], "e2e_mean": m["e2e"]["mean"]}
 
 
+def run_tau(task: dict[str, Any]) -> dict[str, Any]:
+    """sjf with the noisy oracle at one target Kendall tau."""
+    base = window(TAU_TRACE, task["requests"])
+    sched, cache = configs("sjf", task["slos"], length_predictor="noisy",
+                           predictor_tau=task["tau"])
+    result = simulate(at_rate(base, TAU_TRACE, task["rate"]), sched, cache, cost_model())
+    m = result.metrics
+    return {"kind": "tau", "policy": "sjf", "target": task["tau"],
+            "tau": tau_of(result.scheduler.policy), "e2e_mean": m["e2e"]["mean"],
+            "ttft_p50": m["ttft"]["p50"], "ttft_p99": m["ttft"]["p99"]}
+
+
 def run_task(task: dict[str, Any]) -> dict[str, Any]:
-    return {"run": run_one, "goodput": run_goodput, "fairness": run_fairness}[task["kind"]](task)
+    return {"run": run_one, "goodput": run_goodput, "fairness": run_fairness,
+            "tau": run_tau}[task["kind"]](task)
+
+
+def tau_table(taus: list[dict[str, Any]], fcfs: dict[str, Any] | None) -> str:
+    """sjf against predictor quality, with fcfs for reference."""
+    lines = ["| predictor | Kendall tau (target / measured) | e2e mean s | TTFT p50 / p99 s |",
+             "|---|---|---|---|"]
+    if fcfs:
+        lines.append(f"| fcfs (none) | - | {fcfs['e2e_mean']:.2f} | {fcfs['ttft_p50']:.2f} / "
+                     f"{fcfs['ttft_p99']:.2f} |")
+    for r in sorted(taus, key=lambda r: r["target"]):
+        lines.append(f"| sjf, noisy oracle | {r['target']:.2f} / {_v(r['tau'], '.3f')} | "
+                     f"{r['e2e_mean']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} |")
+    return "\n".join(lines)
 
 
 def capacity(task: dict[str, Any]) -> dict[str, Any]:
@@ -406,7 +436,7 @@ def targets(rows: list[dict[str, Any]], fairness: list[dict[str, Any]]) -> list[
 
 def write_doc(rows: list[dict[str, Any]], setup: dict[str, dict[str, Any]],
               target_lines: list[str], taus: dict[str, float | None], args: argparse.Namespace,
-              wall_s: float) -> None:
+              wall_s: float, sweep_text: str = "") -> None:
     kept = ""
     if DOC.exists():
         text = DOC.read_text()
@@ -459,6 +489,11 @@ def write_doc(rows: list[dict[str, Any]], setup: dict[str, dict[str, Any]],
         table(rows),
         "",
     ]
+    if sweep_text:
+        parts += [f"## sjf against predictor quality ({TAU_TRACE}, {TAU_LOAD}x)", "",
+                  "The noisy oracle (`--length-predictor noisy --predictor-tau T`) at each "
+                  "target tau; the measured tau is over the run's completed requests.", "",
+                  sweep_text, ""]
     DOC.write_text("\n".join(parts) + "\n" + MARKER + (kept or "\n"))
 
 
@@ -483,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.no_docs = 150, True
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
-        return report(data["rows"], data["setup"], data["fairness"], data["wall_s"], args)
+        return report(data["rows"], data["setup"], data["fairness"], data["wall_s"], args,
+                      data.get("taus", []))
     started = time.perf_counter()
     ctx = multiprocessing.get_context("fork")
     bases = {t: window(t, args.requests) for t in args.traces}
@@ -504,6 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         tasks += [common | {"kind": "goodput", "trace": t, "policy": pol, "slos": slo[t],
                             "capacity": setup[t]["capacity"]}
                   for t in args.traces for pol in POLICIES]
+        if TAU_TRACE in args.traces:
+            tasks += [common | {"kind": "tau", "policy": "sjf", "tau": tau,
+                                "slos": slo[TAU_TRACE],
+                                "rate": TAU_LOAD * setup[TAU_TRACE]["capacity"]}
+                      for tau in TAUS]
         if FAIRNESS_TRACE in args.traces:
             n = 2000 if args.quick else FAIRNESS_REQUESTS
             tasks += [{"kind": "fairness", "policy": pol, "requests": n,
@@ -527,17 +568,24 @@ def main(argv: list[str] | None = None) -> int:
     order = {pol: i for i, pol in enumerate(POLICIES)}
     rows.sort(key=lambda r: (TRACES.index(r["trace"]), r["load"], order[r["policy"]]))
     fairness = [r for r in out if r["kind"] == "fairness"]
+    taus = [r for r in out if r["kind"] == "tau"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "rows": rows, "goodput": list(goodput.values()),
-                       "fairness": fairness, "wall_s": wall}, f, default=str)
-    return report(rows, setup, fairness, wall, args)
+                       "fairness": fairness, "taus": taus, "wall_s": wall}, f, default=str)
+    return report(rows, setup, fairness, wall, args, taus)
 
 
 def report(rows: list[dict[str, Any]], setup: dict[str, dict[str, Any]],
-           fairness: list[dict[str, Any]], wall: float, args: argparse.Namespace) -> int:
+           fairness: list[dict[str, Any]], wall: float, args: argparse.Namespace,
+           sweep: list[dict[str, Any]]) -> int:
     """Print the table and the targets; write the docs unless ``--no-docs``."""
     mark_best(rows)
+    fcfs = next((r for r in rows if (r["trace"], r["load"], r["policy"])
+                 == (TAU_TRACE, TAU_LOAD, "fcfs") and "error" not in r), None)
+    sweep_text = tau_table(sweep, fcfs) if sweep else ""
+    if sweep_text:
+        print(f"\nsjf against predictor quality ({TAU_TRACE}, {TAU_LOAD}x):\n{sweep_text}")
     taus = {t: next((r["tau"] for r in rows if r["trace"] == t and r["policy"] == "sjf"
                      and r["load"] == 1.0 and "error" not in r), None) for t in args.traces}
     print(table(rows))
@@ -545,7 +593,7 @@ def report(rows: list[dict[str, Any]], setup: dict[str, dict[str, Any]],
     print("\nTargets:\n" + "\n".join(target_lines))
     print(f"\nhistory predictor's Kendall tau: {taus}; {wall:.0f} s")
     if not args.no_docs:
-        write_doc(rows, setup, target_lines, taus, args, wall)
+        write_doc(rows, setup, target_lines, taus, args, wall, sweep_text)
         print(f"wrote {DOC.relative_to(ROOT)}")
     return 0
 
