@@ -58,3 +58,22 @@ def test_queue_aware_eviction_runs_in_the_simulator() -> None:
     r = _run(0, kv_eviction="queue-aware")
     assert r.metrics["scheduler"]["kv_offload"]["host_hit_blocks"] == 0
     assert all(q.error is None for q in r.requests)
+
+
+def test_loads_are_pipelined_over_layers_and_stores_hidden() -> None:
+    from kvloop.core.interface import CachedRequestData, SchedulerOutput
+    from kvloop.executor.simulated.executor import SimulatedExecutor
+
+    model = get_model_spec("llama-3.1-8b")
+    ex = SimulatedExecutor(CostModel(model, get_hardware_spec("h100")), 16)
+
+    def step(loads: int, stores: int) -> float:
+        out = SchedulerOutput(0, [], CachedRequestData(["a"], [[]], [4000], [False]),
+                              {"a": 512}, 512, blocks_to_load=[(0, 0)] * loads,
+                              blocks_to_offload=[(0, 0)] * stores)
+        return ex.execute(out).step_time_s
+
+    compute, load = step(0, 0), ex._copy_time(200)
+    assert load < compute  # 200 blocks hide behind a 512-token chunk, but for one layer
+    assert step(200, 0) == compute + load / model.num_layers
+    assert step(0, 200) == compute  # stores run beside the step

@@ -31,6 +31,9 @@ class SimulatedExecutor:
     def __init__(self, cost_model: StepCost, block_size: int) -> None:
         self.cost_model = cost_model
         self.block_size = block_size
+        model = getattr(cost_model, "model", None)
+        self.num_layers = max(1, int(getattr(model, "num_layers", 1)))
+        """Layers a load of prefix blocks is pipelined over (1: not pipelined)."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = scheduler_output
@@ -59,21 +62,35 @@ class SimulatedExecutor:
                     decode_context += p + 1
                 else:
                     chunks.append((c, p))
-        # NOTE: loads of prefix blocks from the host tier are on the step's path (its
-        # attention reads them), as swaps are; stores to it run on the copy engine beside
-        # the step (write-back or write-through, both asynchronous), so they only cost
-        # time when they take longer than the step.
         step_time = self.step_time(num_decodes, decode_context, chunks,
-                                   len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
-                                   + len(out.blocks_to_load))
-        if out.blocks_to_offload:
-            try:
-                store = self.cost_model.step_time(0, 0, (), len(out.blocks_to_offload),
-                                                  block_size=self.block_size)
-            except KeyError:  # NOTE: recorded step times may not price a bare copy
-                store = 0.0
-            step_time = max(step_time, store)
+                                   len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out))
+        if out.blocks_to_load or out.blocks_to_offload:
+            step_time = self._with_host_tier(step_time, len(out.blocks_to_load),
+                                             len(out.blocks_to_offload))
         return ModelRunnerOutput(dict.fromkeys(scheduled, _ONE), step_time)
+
+    def _copy_time(self, num_blocks: int) -> float:
+        """Seconds to copy ``num_blocks`` over the host link (0 when the cost model cannot
+        price a bare copy, as recorded step times may not)."""
+        try:
+            return self.cost_model.step_time(0, 0, (), num_blocks, block_size=self.block_size)
+        except KeyError:
+            return 0.0
+
+    def _with_host_tier(self, compute: float, loads: int, stores: int) -> float:
+        """A step's time with the prefix host tier's copies.
+
+        NOTE: loads are prefetched layer by layer, as engines with a host tier do (SGLang's
+        HiCache, LMCache): layer l+1's blocks cross the link while layer l computes, so only
+        one layer's share of the shorter of the two stays exposed. Stores run on the copy
+        engine beside the step (write-back or write-through, both asynchronous) and only
+        cost time when they take longer than it."""
+        if loads:
+            load = self._copy_time(loads)
+            compute = max(compute, load) + min(compute, load) / self.num_layers
+        if stores:
+            compute = max(compute, self._copy_time(stores))
+        return compute
 
     def step_time(self, num_decodes: int, decode_context: int, chunks: list[tuple[int, int]],
                   swap_blocks: int = 0) -> float:
