@@ -195,3 +195,21 @@ def test_raise_exception_in_a_template():
     template = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     with pytest.raises(jinja2.exceptions.TemplateError, match="user first"):
         render_chat_template(template, [{"role": "system", "content": "x"}])
+
+
+def test_one_tokenizer_per_folder_until_its_files_change(tmp_path, records):
+    """A command that checks its prompts before the model loads and the engine after share
+    one tokenizer (``load_tokenizer``); changed files load a new one."""
+    from kvloop.engine.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    _tiny_backend(folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "bos_token": "<s>", "eos_token": "</s>"}))
+    first = load_tokenizer(folder)
+    assert load_tokenizer(folder) is first
+    config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "bos_token": "<s>", "eos_token": "<unk>"}))
+    assert load_tokenizer(folder) is not first

@@ -349,9 +349,9 @@ def check_prompts_early(args: argparse.Namespace, prompts: list[Any]) -> None:
     if limit is None:
         return
     try:
-        from kvloop.engine.tokenizer import Tokenizer  # NOTE: tokenizers only, never torch
+        from kvloop.engine.tokenizer import load_tokenizer  # NOTE: tokenizers only, not torch
 
-        tokenizer = Tokenizer(path.parent)
+        tokenizer = load_tokenizer(path.parent)
         system = getattr(args, "system", None)
         counts = [len(tokenizer.apply_chat_template(
             [*([{"role": "system", "content": system}] if system else []),

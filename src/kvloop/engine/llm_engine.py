@@ -114,7 +114,7 @@ class LLMEngine:
         (:func:`describe_startup`)."""
         from kvloop.engine.generation_config import default_sampling_fields
         from kvloop.engine.model_source import resolve_model
-        from kvloop.engine.tokenizer import Tokenizer
+        from kvloop.engine.tokenizer import load_tokenizer
         from kvloop.executor.torch import TorchModelRunner
 
         path = folder if folder is not None else resolve_model(args.model)
@@ -123,7 +123,7 @@ class LLMEngine:
         # NOTE: before the weights load, so that a bad generation config fails fast.
         default_sampling = default_sampling_fields(args.generation_config, path,
                                                    model=args.model)
-        tokenizer = None if args.skip_tokenizer_init else Tokenizer(path)
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(path)
         runner = TorchModelRunner(
             str(path),
             dtype=args.dtype,

@@ -23,6 +23,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,27 @@ class Tokenizer:
         stop = list(getattr(params, "stop", None) or ())
         skip = getattr(params, "skip_special_tokens", True)
         return Detokenizer(self.backend, prompt_ids, stop, skip_special_tokens=skip)
+
+
+_LOADED: dict[tuple[str, str | None], Tokenizer] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def load_tokenizer(folder: str | os.PathLike[str]) -> Tokenizer:
+    """The folder's tokenizer, loaded once per process while its files stay the same (a
+    command that checks its prompts before the model loads, and the engine after, share
+    one).
+
+    NOTE: a ``Tokenizer`` is not changed after loading, so sharing it is safe."""
+    path = Path(folder).resolve()
+    key = (str(path), _cache_key(path))
+    with _LOADED_LOCK:
+        found = _LOADED.get(key)
+    if found is None:
+        found = Tokenizer(path)
+        with _LOADED_LOCK:
+            found = _LOADED.setdefault(key, found)
+    return found
 
 
 def _neutral(backend: Any) -> None:
