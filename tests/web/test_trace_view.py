@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -71,3 +73,22 @@ def test_view_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     rec.write_jsonl(str(trace))
     assert main(["trace", "view", str(trace), "--no-browser", "--port", "70000"]) == 2
     assert "--port must be 0-65535" in capsys.readouterr().err
+
+
+def test_the_command_prints_its_url_and_serves(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rec = StepRecorder()
+    rec.records = tight_pool_trace()
+    rec.write_jsonl(str(trace))
+    proc = subprocess.Popen([sys.executable, "-m", "kvloop.cli", "trace", "view", str(trace),
+                             "--port", "0", "--no-browser"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith(f"kvloop trace view: {len(rec.records)} steps from ")
+        url = line.split(" at ", 1)[1].split()[0]
+        status, _, body = _get(url + "trace.json")
+        assert status == 200 and len(json.loads(body)["records"]) == len(rec.records)
+    finally:
+        proc.terminate()
+        proc.wait(10)
