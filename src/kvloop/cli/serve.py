@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{_url_host(args.host)}:{port}"
         print(startup_line(engine, model, url), file=sys.stderr, flush=True)
         if not args.no_dashboard:
-            print(f"kvloop serve: live view at {url}/dashboard", file=sys.stderr, flush=True)
+            print(f"kvloop: the loop, live, at {url}/dashboard", file=sys.stderr, flush=True)
         # NOTE: the engine loop runs on this (main) thread, uvicorn's event loop on another
         # (``AsyncEngine.run_here`` says why); uvicorn installs no signal handlers off the
         # main thread, so the drain's are installed here.
