@@ -32,8 +32,9 @@ from kvloop.core.stats import StepRecord, StepRecorder
 
 MAX_UPDATES_PER_S = 10
 """Most server-sent events a dashboard gets a second."""
-RING_STEPS = 2048
-"""Step records the server keeps for dashboards (the page keeps as many)."""
+RING_STEPS = 512
+"""Step records the server keeps for dashboards: enough for a new one's first ``FIRST_STEPS``
+and for an open one's next event."""
 FIRST_STEPS = 300
 """Recent steps a newly opened dashboard starts with."""
 MAX_STEPS_PER_EVENT = 200
