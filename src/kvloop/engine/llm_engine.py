@@ -481,6 +481,8 @@ def describe_startup(engine: LLMEngine) -> tuple[str, str]:
     nbytes = getattr(getattr(getattr(runner, "kv_cache", None), "gpu", None), "nbytes", None)
     if isinstance(nbytes, int):
         kv += f" ({nbytes / 2**30:.2f} GiB)"
+    if cache.kv_offload_blocks and cache.enable_prefix_caching:
+        kv += f"; host prefix tier: {cache.kv_offload_blocks} blocks"
     if note := getattr(engine, "token_budget_note", None):
         kv += f"; {note}"
     return loaded, kv
