@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -214,3 +215,19 @@ def test_engine_args_refuse_a_negative_offload_space() -> None:
 
     with pytest.raises(ValueError, match="kv_offload_space"):
         EngineArgs(kv_offload_space=-1.0).cache_config(8, 0)
+
+
+def test_auto_recomputes_a_hit_too_short_to_pay_for_its_load() -> None:
+    from kvloop.core.stats import StepRecord
+
+    prefix = list(range(1000, 1016))
+    s = make(num_gpu=8, offload=16, kv_load_latency_s=1.0, kv_load_s_per_block=1e-4,
+             kv_recompute_s_per_token=1e-3)  # 1.0004 s to load 4 blocks, 16 ms to prefill
+    ex = KVContentExecutor(8, s.kv.num_cpu_blocks, BS)
+    for p in (shared("a", prefix, 3), req("filler", 29, 2), shared("b", prefix, 5)):
+        s.add_request(p)
+        drive(s, ex)
+    records = [r for r in s.recorder.records if r.kv_load_choices]  # type: ignore[union-attr]
+    assert [c for r in records for c in r.kv_load_choices] == [("b", "recompute", 4)]
+    again = StepRecord.from_dict(json.loads(records[0].to_json()))
+    assert again.kv_load_choices == [("b", "recompute", 4)]
