@@ -97,7 +97,6 @@ class KVOffload:
             if cfg.kv_offload_write_policy == "write_through":
                 self.pool.registered = []
 
-
     # -- lookups -------------------------------------------------------------------------
     def _host_hits(self, request: Request, hashes: list[bytes], start: int, limit: int
                    ) -> list[HostHit]:
