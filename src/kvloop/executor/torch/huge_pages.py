@@ -51,8 +51,10 @@ THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
 MADV_POPULATE_WRITE = 23
 """Linux's ``madvise`` advice (5.14 on) that faults pages in writable without writing them
 (so populating never races a write to the same page). Python's ``mmap`` does not name it."""
-POPULATE_CHUNK = 64 << 20
-"""Bytes populated per ``madvise`` call."""
+POPULATE_CHUNK = 2 << 20
+"""Bytes populated per ``madvise`` call (one huge page). NOTE: small, because a call holds
+the process's memory-map lock: a step that maps new memory (a large allocation) waits for
+the call in progress, so each call must be short."""
 
 
 def huge_pages_offered() -> bool:
