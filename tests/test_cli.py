@@ -78,10 +78,10 @@ def test_knobs_reach_the_scheduler(tmp_path):
     assert rc == 0
     cfg = json.loads(out.read_text())["config"]
     assert cfg["scheduler"]["max_num_seqs"] == 8
-    assert cfg["cache"] == {
+    assert {k: cfg["cache"][k] for k in
+            ("block_size", "num_gpu_blocks", "enable_prefix_caching")} == {
         "block_size": 32,
         "num_gpu_blocks": 40,
-        "num_cpu_blocks": cfg["cache"]["num_cpu_blocks"],
         "enable_prefix_caching": False,
     }
 

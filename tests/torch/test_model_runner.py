@@ -230,7 +230,8 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         make_runner(TinyModel(tmp_path, None))
     assert str(err.value) == (
         "unsupported architecture 'GPT2LMHeadModel'; kvloop supports: "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM"
     )
 
 

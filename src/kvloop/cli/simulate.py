@@ -113,7 +113,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--find-goodput", type=rate_range, default=None, metavar="LO:HI",
                    help="search LO..HI requests/s (the workload's arrivals rescaled) for "
                    "DistServe's goodput: the highest rate at which 90%% of requests meet "
-                   "both --slo-ttft and --slo-tpot")
+                   "both --slo-ttft and --slo-tpot (default: off, one run at the given "
+                   "rate)")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1,
                    help="replicas of this configuration behind one router, on one virtual "
