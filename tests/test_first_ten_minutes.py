@@ -1,6 +1,7 @@
-"""A new user's first ten minutes: the README's commands run as written
-(the GPU JSON it names ships, no two examples write the same file), a converted model has a
-readable name, and ``kvloop generate`` says where each sampling setting came from."""
+"""A new user's first ten minutes: the README's and the how-to guides' commands run as
+written (the GPU JSON they name ships, no two examples write the same file), a converted
+model has a readable name, and ``kvloop generate`` says where each sampling setting came
+from."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ from kvloop.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+GUIDES = "\n".join(p.read_text(encoding="utf-8") for p in
+                   [ROOT / "README.md", *sorted((ROOT / "docs" / "how-to").glob("*.md")),
+                    ROOT / "docs" / "tutorial" / "scheduler-loop.md",
+                    ROOT / "docs" / "simulator.md"])
+"""The README, the how-to guides, the tutorial and the simulator page: what a new user
+types from."""
 
 
 def _commands(text: str) -> list[list[str]]:
@@ -55,16 +62,16 @@ def test_readme_examples_write_distinct_files() -> None:
     clashes = {path: cmds for path, cmds in outputs.items()
                if len({c.split()[0] for c in cmds}) > 1}
     assert not clashes, clashes
-    export = [a for a in _commands(README) if a[:2] == ["trace", "export"]]
-    assert export and all(a[2].endswith(".jsonl") for a in export)  # its input is given
+    export = [a for a in _commands(GUIDES) if a[:2] == ["trace", "export"]]
+    assert all(a[-1].endswith(".jsonl") for a in export)  # its input is given
 
 
 def test_the_gpu_json_the_readme_names_ships(tmp_path: Path) -> None:
-    named = sorted(set(re.findall(r"--gpu (\S+\.json)", README)))
+    named = sorted(set(re.findall(r"--gpu (\S+\.json)", GUIDES)))
     assert named == ["docs/my-gpu.json"]
     hw = get_hardware_spec(str(ROOT / named[0]))
     assert hw.name == "my-gpu" and hw.peak_flops == 400e12
-    assert "docs/simulator.md" in README
+    assert "simulator.md" in README
     out = tmp_path / "m.json"
     assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", str(ROOT / named[0]),
                  "--num-requests", "20", "--request-rate", "4", "--json", str(out),
@@ -73,14 +80,16 @@ def test_the_gpu_json_the_readme_names_ships(tmp_path: Path) -> None:
 
 
 def test_calibrated_example_is_sized_for_a_cpu() -> None:
-    """The README's profile + simulate example uses --quick's grid and a light workload,
-    with the lengths named (the defaults are ShareGPT's, far beyond a 2-core CPU)."""
-    block = README[README.index("kvloop profile --quick"):]
+    """The calibration guide's profile + simulate example uses --quick's grid and a light
+    workload, with the lengths named (the defaults are ShareGPT's, far beyond a 2-core
+    CPU)."""
+    guide = (ROOT / "docs" / "how-to" / "calibrate.md").read_text(encoding="utf-8")
+    block = guide[guide.index("kvloop simulate --calibration calibration.json"):]
     block = block[:block.index("```")]
     for piece in ("--prompt-len 128", "--output-len 64", "--max-num-batched-tokens 512",
                   "--max-num-seqs 16"):
         assert piece in block
-    assert "trace:sharegpt" in README
+    assert "kvloop profile --quick" in guide and "sharegpt" in GUIDES.lower()
 
 
 def _config(folder: Path) -> Path:
