@@ -8,9 +8,9 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.core.kv_content import KVContentExecutor, StepFault
-from tests.helpers import FakeClock, req
+from kv_content import KVContentExecutor, StepFault
 
+from helpers import FakeClock, req
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core import Scheduler, StepRecorder
 from kvloop.core.host_tier import HostTier

@@ -100,3 +100,21 @@ def test_each_dtype_and_quantization_has_its_own_file(llama_model) -> None:
              for d, q in [(torch.bfloat16, None), (torch.bfloat16, "int4"),
                           (torch.float32, None)]}
     assert len(paths) == 3
+
+
+def test_the_start_up_line_says_where_the_weights_came_from(llama_model, monkeypatch,
+                                                             tmp_path: Path) -> None:
+    from kvloop.engine.args import EngineArgs
+    from kvloop.engine.llm_engine import LLMEngine, describe_startup
+
+    if native.kernels() is None or not native.bf16_supported():
+        pytest.skip("bfloat16 matrices are oneDNN's here: nothing is saved")
+    monkeypatch.setattr(ready_weights, "ready_dir", lambda: tmp_path)
+    args = EngineArgs(model=str(llama_model.path), dtype="bfloat16", device="cpu",
+                      num_gpu_blocks=32, max_num_batched_tokens=64, swap_space=0.0,
+                      skip_tokenizer_init=True)
+    first, _ = describe_startup(LLMEngine.from_args(args))
+    assert first.endswith("; weights converted, saved ready to run for later starts")
+    _saved(llama_model.path, torch.bfloat16)
+    again, _ = describe_startup(LLMEngine.from_args(args))
+    assert again.endswith("; weights ready to run, from the cache")

@@ -473,8 +473,11 @@ def describe_startup(engine: LLMEngine) -> tuple[str, str]:
               f"{getattr(runner, 'device', '?')}")
     if kernels := getattr(runner, "kernels_note", ""):
         loaded += f"; {kernels}"
-    if getattr(getattr(runner, "model", None), "loaded_ready", False):
+    model = getattr(runner, "model", None)
+    if getattr(model, "loaded_ready", False):
         loaded += "; weights ready to run, from the cache"
+    elif getattr(model, "saving_ready", False):
+        loaded += "; weights converted, saved ready to run for later starts"
     cache = engine.scheduler.cache_config
     kv = (f"KV cache: {cache.num_gpu_blocks} blocks x {cache.block_size} tokens = "
           f"{cache.num_gpu_blocks * cache.block_size} tokens")

@@ -166,10 +166,8 @@ def _apply_info(r: TraceRequest, info: dict[str, Any]) -> None:
 def scheduler_totals(
     records: list[StepRecord], requests: dict[str, TraceRequest] | None = None
 ) -> dict[str, Any]:
-    """Scheduler totals in the shape of ``kvloop.sim.driver.scheduler_summary``.
-
-    ``num_cpu_blocks`` is absent: records do not carry the host pool size.
-    """
+    """Scheduler totals in the shape of ``kvloop.sim.driver.scheduler_summary``
+    (``num_cpu_blocks`` absent where the records do not carry the host pool's size)."""
     if requests is None:
         requests = reconstruct_requests(records)
     modes = [mode for rec in records for _, mode in rec.preempted]
@@ -181,7 +179,10 @@ def scheduler_totals(
         usage_sum += u
         peak = max(peak, u)
     n = len(records)
+    host = {"num_cpu_blocks": records[-1].num_host_blocks} if (
+        records and records[-1].num_host_blocks) else {}
     return {
+        **host,
         "num_steps": n,
         "num_preemptions": len(modes),
         "num_recompute_preemptions": modes.count("recompute"),

@@ -114,8 +114,10 @@ def default_token_budget(runner: Any, *, measure: bool = False) -> tuple[int, st
     record = None if measure else _read(path)
     if record is not None:
         budget, words = budget_for(record["per_token_s"])
-        return budget, (f"{words}, measured {record['measured']} on this machine; "
-                        "kvloop profile --token-budget measures again")
+        busy = record.get("load_per_cpu", 0.0) > BUSY_LOAD
+        return budget, (f"{words}, measured {record['measured']} on this machine"
+                        + (" while it was busy" if busy else "")
+                        + "; kvloop profile --token-budget measures again")
     load = _load_per_cpu()
     per_token = measure_per_token(runner)
     _write(path, {"per_token_s": per_token,

@@ -140,7 +140,7 @@ def load_model(
         model = _convert(path, config, cls, dtype=dtype, device=device,
                          quantization=quantization)
         if ready is not None:
-            ready_weights.save_in_background(model, ready)
+            model.saving_ready = ready_weights.save_in_background(model, ready) is not None
     else:
         model.loaded_ready = True
     move = HugePageMove(model.streamed_tensors())  # NOTE: CPU tensors only; others stay

@@ -156,6 +156,8 @@ class LlamaForCausalLM:
         self.loaded_ready = False
         """Whether the weights came from a ready-to-run file (``ready_weights``) rather
         than from converting the checkpoint."""
+        self.saving_ready = False
+        """Whether converted weights are being saved ready to run for later starts."""
         self.decode_layers = self.build_decode_layers() if self.fused_ops else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the same kernels as
