@@ -114,7 +114,7 @@ def test_a_body_that_does_not_arrive_gets_408(limited: LiveServer, trickle: bool
             break
         raw += data
     waited = time.monotonic() - started
-    assert waited < LIMITS.body_timeout_s + 2
+    assert waited < LIMITS.body_timeout_s + 5  # NOTE: cut, not held to the loop's 10 s
     status, body = _status_and_body(raw)
     assert status == 408 and "--body-timeout" in body["error"]["message"]
     time.sleep(0.2)
@@ -176,5 +176,6 @@ def test_pipelined_requests_are_never_cut(limited: LiveServer) -> None:
         time.sleep(LIMITS.body_timeout_s + LIMITS.header_timeout_s + 0.5)
         sock.sendall(second[-5:])
         raw = _read_all(sock)
-    assert raw.count(b"HTTP/1.1 200") == 2 and b"408" not in raw, raw[:500]
+    # NOTE: the status lines, not b"408" anywhere: a response's id or timestamp may hold it
+    assert raw.count(b"HTTP/1.1 200") == 2 and b"HTTP/1.1 408" not in raw, raw[:500]
     assert_no_leaks(limited)
