@@ -9,9 +9,9 @@ budget follows from a target step time and the model's measured cost per prompt 
 the default model on 2 cores), so one untimed step of the same size comes first, and
 timed ones follow until the fastest has stopped improving (``_settled``): at least
 ``_MIN_PROBES``, at most ``_MAX_PROBES`` or ``_PROBE_SECONDS``. Right after an install or
-a conversion the machine can stay slow for several steps (a fresh-clone review measured
-10-64 ms per token on the first probes); probing until the steps settle keeps such a start
-from choosing the minimum budget. About half a second for the default model on a warm
+a conversion the machine can stay slow for several steps (10-64 ms per token on the first
+probes of a fresh clone); probing until the steps settle keeps such a start from choosing
+the minimum budget. About half a second for the default model on a warm
 machine.
 
 The budget is a property of the machine and the model, not of the minute: the measured cost
