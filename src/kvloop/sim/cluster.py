@@ -23,7 +23,14 @@ from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.request import Request
 from kvloop.executor.simulated.cost_model import CostModel
 from kvloop.sim.cluster_table import format_cluster, format_replicas
-from kvloop.sim.driver import Replica, SimulationResult, run_metrics, run_replicas, to_requests
+from kvloop.sim.driver import (
+    Replica,
+    SimulationResult,
+    run_metrics,
+    run_replicas,
+    timelines,
+    to_requests,
+)
 from kvloop.sim.metrics import summarize_requests
 from kvloop.sim.traces import WorkloadRequest
 
@@ -100,7 +107,8 @@ def simulate_cluster(
 
 def _replica_row(rep: Replica, slo_ttft: float | None, slo_tpot: float | None) -> dict[str, Any]:
     """One replica's row of the ``replicas`` metrics (times in seconds)."""
-    summary = summarize_requests(rep.requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+    summary = summarize_requests(rep.requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                                 timelines=timelines([rep]))
     st = rep.scheduler.stats
     queries, hits = st.prefix_cache_queries, st.prefix_cache_hits
     return {

@@ -29,6 +29,7 @@ from kvloop.executor.simulated.executor import PLACEHOLDER_TOKEN, SimulatedExecu
 from kvloop.sampling_params import SamplingParams
 from kvloop.sim.load import load_summary
 from kvloop.sim.metrics import summarize_requests
+from kvloop.sim.timeline import StepTimeline
 from kvloop.sim.traces import WorkloadRequest
 
 
@@ -56,12 +57,15 @@ class _ClockedExecutor:
         self.clock = clock
         self.busy_s = 0.0
         """Virtual seconds spent in steps (the engine's busy time)."""
+        self.step_ends: list[float] = []
+        """The clock at the end of every step that ran: each token's time is one."""
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         result = self.executor.execute(scheduler_output)
         if _ran(scheduler_output):
             self.clock.now += result.step_time_s
             self.busy_s += result.step_time_s
+            self.step_ends.append(self.clock.now)
         return result
 
     def run(self, num_decodes: int, decode_context: int, chunks: list[tuple[int, int]]) -> None:
@@ -70,6 +74,7 @@ class _ClockedExecutor:
         step_time = self.executor.step_time(num_decodes, decode_context, chunks)
         self.clock.now += step_time
         self.busy_s += step_time
+        self.step_ends.append(self.clock.now)
 
 
 class Replica:
@@ -355,13 +360,23 @@ def to_requests(workload: Sequence[WorkloadRequest]) -> list[Request]:
     return sorted((to_request(w, params(w)) for w in workload), key=lambda r: r.arrival_time)
 
 
+def timelines(replicas: Sequence[Replica]) -> dict[str, StepTimeline]:
+    """Request id -> the step timeline of the replica that served it."""
+    out: dict[str, StepTimeline] = {}
+    for rep in replicas:
+        out.update(dict.fromkeys((r.request_id for r in rep.requests),
+                                 StepTimeline(rep.executor.step_ends)))
+    return out
+
+
 def run_metrics(requests: Sequence[Request], replicas: Sequence[Replica],
                 scheduler_config: SchedulerConfig, slo_ttft: float | None,
                 slo_tpot: float | None) -> dict[str, Any]:
     """The metrics of a finished run: ``summarize_requests`` over all requests, ``scheduler``
     totals over all replicas, and ``load`` with the mean busy time of a replica."""
     metrics = summarize_requests(requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
-                                 tenant_weights=dict(scheduler_config.tenant_weights))
+                                 tenant_weights=dict(scheduler_config.tenant_weights),
+                                 timelines=timelines(replicas))
     metrics["scheduler"] = scheduler_summary(*(rep.scheduler for rep in replicas))
     busy = sum(rep.executor.busy_s for rep in replicas) / len(replicas)
     metrics["load"] = load_summary(requests, busy, metrics["duration"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvloop.sim.load import load_rows
@@ -36,6 +36,7 @@ from kvloop.sim.published_metrics import (
     slo_attainment,
     vtc_gap,
 )
+from kvloop.sim.timeline import StepTimeline
 
 __all__ = [
     "LATENCY_METRICS",
@@ -69,18 +70,42 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
         raise ValueError("percentile of an empty sequence")
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    n = len(sorted_values)
+    return sorted_values[_rank(q, len(sorted_values)) - 1]
+
+
+def _rank(q: float, n: int) -> int:
+    """The nearest rank (1-based) of percentile ``q`` among ``n`` values."""
     rank = math.ceil(q * n / 100 - 1e-9)  # tolerance for float error, e.g. 0.07 * 100
-    return sorted_values[min(max(rank, 1), n) - 1]
+    return min(max(rank, 1), n)
 
 
-def _stats(values: list[float]) -> dict[str, float | int | None]:
-    """Mean and nearest-rank percentiles of ``values`` (sorted in place)."""
+def _stats(values: list[float],
+           counted: Sequence[tuple[float, int]] = ()) -> dict[str, float | int | None]:
+    """Mean and nearest-rank percentiles of ``values`` (sorted in place) together with
+    ``counted``: (value, how many times) pairs."""
+    if counted:
+        return _counted_stats([*counted, *((v, 1) for v in values)])
     values.sort()
     out: dict[str, float | int | None] = {"count": len(values)}
     out["mean"] = sum(values) / len(values) if values else None
     for q in PERCENTILES:
         out[f"p{q}"] = percentile(values, q) if values else None
+    return out
+
+
+def _counted_stats(pairs: list[tuple[float, int]]) -> dict[str, float | int | None]:
+    """``_stats`` of (value, how many times) pairs (at least one; sorted in place)."""
+    pairs.sort()
+    n = sum(c for _, c in pairs)
+    out: dict[str, float | int | None] = {"count": n,
+                                          "mean": sum(v * c for v, c in pairs) / n}
+    ranks = [_rank(q, n) for q in PERCENTILES]
+    seen, k = 0, 0
+    for v, c in pairs:
+        seen += c
+        while k < len(ranks) and ranks[k] <= seen:
+            out[f"p{PERCENTILES[k]}"] = v
+            k += 1
     return out
 
 
@@ -107,6 +132,7 @@ def summarize_requests(
     tenant_weights: dict[str, float] | None = None,
     window_s: float = WINDOW_S,
     service_weights: tuple[float, float] = SERVICE_WEIGHTS,
+    timelines: Mapping[str, StepTimeline] | None = None,
 ) -> dict[str, Any]:
     """Summarise finished requests (duck-typed like ``kvloop.core.request.Request``).
 
@@ -134,6 +160,10 @@ def summarize_requests(
     output), and each tenant row adds ``backlogged_s`` and ``backlogged_rate`` (its
     weighted service per second over the windows it was backlogged throughout)
     (``kvloop.sim.published_metrics``); without tenants ``vtc`` is None.
+
+    ``timelines`` (request id -> the step end times of the engine that served it, where
+    every token time is a step end: the simulator's) lets inter-token latencies and QoE be
+    worked out per step rather than per token, with the same figures.
     """
     requests = list(requests)
     counts = {"completed": 0, "aborted": 0, "failed": 0, "rejected": 0, "unfinished": 0}
@@ -143,6 +173,9 @@ def summarize_requests(
     itl: list[float] = []
     e2e: list[float] = []
     queue: list[float] = []
+    spans: dict[int, tuple[StepTimeline, list[tuple[int, int]]]] = {}
+    """Per timeline, the runs of consecutive steps requests got tokens in: the
+    inter-token latencies inside them are that timeline's gaps."""
     first_arrival = math.inf
     last_done = -math.inf
     input_tokens = output_tokens = preemptions = recomputed = good = 0
@@ -169,7 +202,14 @@ def summarize_requests(
             t_tpot = (t_e2e - t_ttft) / (n_out - 1)
             tpot.append(t_tpot)
         if len(times) > 1:
-            itl.extend(map(sub, times[1:], times))  # map stops at the shorter
+            line = timelines.get(req.request_id) if timelines else None
+            runs = line.runs(times) if line is not None else None
+            if runs is None:
+                itl.extend(map(sub, times[1:], times))  # map stops at the shorter
+            else:
+                spans.setdefault(id(line), (line, []))[1].extend(runs)
+                if len(runs) > 1:
+                    itl.extend(line.jumps(runs))
         if _meets(req, t_ttft, t_tpot, slo_ttft, slo_tpot):
             good += 1
         done = req.finished_time if req.finished_time is not None else last
@@ -198,13 +238,14 @@ def summarize_requests(
         preemptions=preemptions,
         recomputed_tokens=recomputed,
     )
+    itl_counted = [pair for line, of_line in spans.values() for pair in line.gap_counts(of_line)]
     for key, values in zip(LATENCY_METRICS, (ttft, tpot, itl, e2e, queue), strict=True):
-        summary[key] = _stats(values)
+        summary[key] = _stats(values, itl_counted if key == "itl" else ())
     weights = tenant_weights or {}
     for row in tenants.values():
         row["goodput"] = rate(row.pop("good"))
     summary["slo_attainment"] = slo_attainment(requests, slo_ttft, slo_tpot)
-    summary["qoe"] = qoe_summary(requests, slo_ttft, slo_tpot)
+    summary["qoe"] = qoe_summary(requests, slo_ttft, slo_tpot, timelines)
     summary["vtc"] = None
     if tenants:
         vtc = vtc_gap(requests, window_s=window_s, weights=service_weights,

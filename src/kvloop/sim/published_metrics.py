@@ -28,9 +28,12 @@ work.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from kvloop.sim.timeline import StepTimeline
 
 __all__ = [
     "DEFAULT_TDS",
@@ -99,8 +102,13 @@ def slo_attainment(requests: Sequence[Any], slo_ttft: float | None,
             "tpot": frac(met_tpot)}
 
 
-def qoe(token_times: Sequence[float], arrival: float, ttft: float, tds: float) -> float:
-    """Andes QoE of one request whose tokens came at ``token_times`` (see the module)."""
+def qoe(token_times: Sequence[float], arrival: float, ttft: float, tds: float,
+        pieces: Sequence[tuple[int, float]] | None = None) -> float:
+    """Andes QoE of one request whose tokens came at ``token_times`` (see the module).
+
+    ``pieces``, when known, cut the tokens into consecutive pieces: (token count, longest
+    gap between consecutive tokens inside the piece) each; a piece whose tokens come at
+    least at the reader's pace is then summed in closed form."""
     n = len(token_times)
     if n == 0:
         return 0.0
@@ -108,21 +116,36 @@ def qoe(token_times: Sequence[float], arrival: float, ttft: float, tds: float) -
     base = arrival + ttft  # when the reader wants token 0; token k: base + k * step
     end = base + n * step  # the expected end: the last token read
     got = 0.0
-    # NOTE: no max() calls (a simulation judges millions of tokens): the same sum.
-    for k, t in enumerate(token_times):
-        e = base + k * step
-        late = t if t > e else e
-        if late < end:
-            got += end - late
+    a = 0
+    for count, longest in pieces or ((n, math.inf),):
+        b = a + count
+        if longest <= step:
+            # NOTE: inside the piece a token's lateness against the expected timeline never
+            # grows: its late tokens come first (up to ``m``), those read before the end
+            # up to ``c``; the on-time ones add end - (base + k * step) each.
+            m = a + bisect.bisect_left(range(a, b), True,
+                                       key=lambda k: token_times[k] <= base + k * step)
+            c = bisect.bisect_left(token_times, end, a, m)
+            got += (c - a) * end - sum(token_times[a:c])
+            got += (b - m) * (end - base) - step * (m + b - 1) * (b - m) / 2
+        else:
+            # NOTE: no max() calls (a simulation judges millions of tokens): the same sum.
+            for k in range(a, b):
+                t, e = token_times[k], base + k * step
+                late = t if t > e else e
+                if late < end:
+                    got += end - late
+        a = b
     # NOTE: the sum over k of (end - (base + k * step)) is step * (n + (n - 1) + ... + 1).
     return got / (step * n * (n + 1) / 2)
 
 
-def qoe_summary(requests: Sequence[Any], slo_ttft: float | None,
-                slo_tpot: float | None) -> dict[str, Any]:
+def qoe_summary(requests: Sequence[Any], slo_ttft: float | None, slo_tpot: float | None,
+                timelines: Mapping[str, StepTimeline] | None = None) -> dict[str, Any]:
     """Mean and 10th percentile (nearest rank) of QoE over completed, rejected and failed
     requests; the expected TTFT and pace are each request's targets, else the given ones,
-    else ``DEFAULT_TTFT`` and ``DEFAULT_TDS``. Also returns the defaults used."""
+    else ``DEFAULT_TTFT`` and ``DEFAULT_TDS``. Also returns the defaults used.
+    ``timelines``: as ``summarize_requests`` takes them."""
     ttft_default = slo_ttft if slo_ttft is not None else DEFAULT_TTFT
     tds_default = 1.0 / slo_tpot if slo_tpot is not None else DEFAULT_TDS
     values: list[float] = []
@@ -134,7 +157,9 @@ def qoe_summary(requests: Sequence[Any], slo_ttft: float | None,
             tpot = getattr(req, "slo_tpot", None)
             times = req.token_times or [_first(req)]
             values.append(qoe(times, req.arrival_time, _target(req, "slo_ttft", ttft_default),
-                              1.0 / tpot if tpot is not None else tds_default))
+                              1.0 / tpot if tpot is not None else tds_default,
+                              _pieces(times, timelines.get(req.request_id)
+                                      if timelines else None)))
     values.sort()
     return {
         "mean": sum(values) / len(values) if values else None,
@@ -142,6 +167,15 @@ def qoe_summary(requests: Sequence[Any], slo_ttft: float | None,
         "expected_ttft": ttft_default,
         "expected_tds": tds_default,
     }
+
+
+def _pieces(times: Sequence[float],
+            line: StepTimeline | None) -> list[tuple[int, float]] | None:
+    """``qoe``'s pieces of ``times`` when ``line`` tells them without reading every time."""
+    if line is None:
+        return None
+    runs = line.runs(times)
+    return None if runs is None else line.pieces(runs)
 
 
 def backlogged_intervals(requests: Sequence[Any], end: float) -> dict[str, list[list[float]]]:
