@@ -210,6 +210,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         hit_rate=m["scheduler"]["prefix_cache_hit_rate"],
         recomputed=m["scheduler"]["recomputed_tokens"], qoe=m["qoe"]["mean"],
         tau=tau_of(result.scheduler.policy), queue_max=max(queue, default=None),
+        queue_mean=statistics.fmean(queue) if queue else None,
         overtaken=overtaken(result.requests, sched.aging_s), aging_s=sched.aging_s,
         wall_s=time.perf_counter() - started,
     )
@@ -391,7 +392,7 @@ def targets(rows: list[dict[str, Any]], fairness: list[dict[str, Any]]) -> list[
     lines.append("2. sjf (history predictor): mean e2e >= 1.3x better than fcfs at 1.0x on the "
                  "conversation traces, nobody started after a request arriving more than "
                  "aging_s later:")
-    ok_all = True
+    ok_all = reachable = True
     for trace in CONVERSATION:
         s, c = get(trace, 1.0, "sjf"), get(trace, 1.0, "fcfs")
         if not s or not c:
@@ -406,7 +407,18 @@ def targets(rows: list[dict[str, Any]], fairness: list[dict[str, Any]]) -> list[
         lines.append(f"   - {trace}: e2e mean {s['e2e_mean']:.2f} s vs fcfs {c['e2e_mean']:.2f} s "
                      f"= {ratio:.2f}x; overtaken beyond {s['aging_s']:g} s: {worst} (all loads); "
                      f"tau {_v(s['tau'], '.3f')} {'(holds)' if ok else '(misses)'}")
-    lines.append(f"   -> {'MET' if ok_all else 'NOT MET'}")
+        if c.get("queue_mean") is not None and s.get("queue_mean") is not None:
+            # NOTE: an admission order only moves time spent waiting to be scheduled; the
+            # rest of e2e (prefill, decoding in a full batch at this load) stays.
+            bound = c["e2e_mean"] / (c["e2e_mean"] - c["queue_mean"])
+            reachable &= bound >= 1.3
+            lines.append(f"     queueing: fcfs waits {c['queue_mean']:.2f} s on average of its "
+                         f"{c['e2e_mean']:.2f} s e2e, so no admission order can do better than "
+                         f"{bound:.2f}x; sjf waits {s['queue_mean']:.2f} s "
+                         f"({c['queue_mean'] / max(s['queue_mean'], 1e-9):.2f}x less)")
+    lines.append(f"   -> {'MET' if ok_all else 'NOT MET'}"
+                 + ("" if ok_all or reachable else
+                    " (out of reach at this load: queueing is too small a part of e2e)"))
     lines.append(f"3. {COMPOSITE} within {WITHIN:.0%} of the best policy in every column, on >= 3 "
                  "of 4 traces (every load):")
     passed = cells = held = 0

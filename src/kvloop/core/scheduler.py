@@ -29,6 +29,7 @@ from kvloop.core.request import Request, RequestStatus
 from kvloop.core.results import StepResults
 from kvloop.core.stats import SchedulerStats, StepRecorder
 from kvloop.core.step import StepBuilder
+from kvloop.request_fields import kv_blocks_needed
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -133,13 +134,11 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.max_tokens}) = {total} exceeds max_model_len ({cfg.max_model_len})"
             )
-        blocks = self.kv.blocks_needed(total)
         n = request.sampling_params.n
-        if n > 1:
-            if n > cfg.max_num_seqs:
-                return f"n ({n}) exceeds max_num_seqs ({cfg.max_num_seqs})"
-            shared = (request.num_prompt_tokens - 1) // self.kv.block_size
-            blocks = shared + n * (blocks - shared)
+        if n > cfg.max_num_seqs:
+            return f"n ({n}) exceeds max_num_seqs ({cfg.max_num_seqs})"
+        blocks = kv_blocks_needed(request.num_prompt_tokens, request.max_tokens, n,
+                                  self.kv.block_size)
         if blocks > self.kv.num_gpu_blocks:
             return (
                 f"request needs {blocks} KV blocks for {total} tokens"
