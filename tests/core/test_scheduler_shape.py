@@ -128,3 +128,26 @@ def test_prefill_first_gives_back_an_admission_instead_of_preempting_it():
     assert s.stats.prefix_cache_queries == 4  # a's lookup only
     s.update_from_output(out, ex.execute(out))
     s.check_invariants()
+
+
+def test_a_readmission_given_back_counts_no_recompute_until_it_runs():
+    s = make_scheduler(block_size=4, num_gpu_blocks=4, scheduling_order="prefill-first",
+                       max_num_batched_tokens=64)
+    ex = FakeExecutor()
+    s.add_request(req("a", 4, 10))
+    out = s.schedule()
+    s.update_from_output(out, ex.execute(out))  # a decodes next, at a block boundary
+    b = req("b", 12, 1)
+    s.add_request(b)
+    b.num_preemptions, b.status = 1, b.status.PREEMPTED  # as if preempted before
+    out = s.schedule()  # b is readmitted, then given back for a's block
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert b.status.name == "PREEMPTED" and b.num_recomputed_tokens == 0
+    assert s.stats.num_recomputed_tokens == 0 and s.stats.recompute_prefix_hits == 0
+    s.update_from_output(out, ex.execute(out))
+    s.check_invariants()
+    while "b" in s.requests:
+        out = s.schedule()
+        s.update_from_output(out, ex.execute(out))
+        s.check_invariants()
+    assert b.num_recomputed_tokens == s.stats.num_recomputed_tokens == 11  # counted once

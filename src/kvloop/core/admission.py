@@ -193,33 +193,48 @@ class Admission:
         kv, requests, pending = self.kv, self.requests, 0
         for rid in self._prefilling:
             r = requests[rid]
-            end = r.num_tokens - (1 if r.output_token_ids else 0)
-            if r.num_computed_tokens < end:
+            if r.num_computed_tokens < r.prefill_end:
                 pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
         return pending
 
     def _admit(
         self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
     ) -> None:
-        if req.num_preemptions == 0:
-            self.stats.prefix_cache_queries += req.num_tokens
-            self.stats.prefix_cache_hits += num_hit
-            b.prefix_queries += req.num_tokens
-            b.prefix_hits += num_hit
-        else:
-            self.stats.recompute_prefix_hits += num_hit
-            recomputed = max(0, req.num_tokens - 1 - num_hit)
-            req.num_recomputed_tokens += recomputed
-            self.stats.num_recomputed_tokens += recomputed
+        """Decide to run ``req`` in this step (counted by ``_commit_admissions`` once the
+        passes are done)."""
         req.status = _RUNNING
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = b.start_time
         self.running.append(req)
         self._prefilling.add(req.request_id)
         if req.group is not None and not req.group.forked:
             self._unforked[req.request_id] = req.group.n - 1
         b.charge(req, n, req.num_tokens - num_hit, block_ids)
         b.admitted[req.request_id] = num_hit
+
+    def _commit_admissions(self, b: StepBuilder) -> None:
+        """Count the admissions the step kept: prefix lookups (a first admission) or the
+        tokens to recompute (a readmission), and first scheduled times.
+
+        NOTE: after every pass, so an admission given back later in the same step
+        (``_unadmit``) was never counted and has nothing to undo."""
+        st, requests, start = self.stats, self.requests, b.start_time
+        for rid, num_hit in b.admitted.items():
+            req = requests[rid]
+            if req.num_preemptions == 0:
+                st.prefix_cache_queries += req.num_tokens
+                st.prefix_cache_hits += num_hit
+                b.prefix_queries += req.num_tokens
+                b.prefix_hits += num_hit
+            else:
+                st.recompute_prefix_hits += num_hit
+                recomputed = max(0, req.num_tokens - 1 - num_hit)
+                req.num_recomputed_tokens += recomputed
+                st.num_recomputed_tokens += recomputed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+        for rid in b.forked:
+            child = requests[rid]
+            if child.first_scheduled_time is None:  # NOTE: forked in its leader's first step
+                child.first_scheduled_time = start
 
 
 def _headroom(running: Sequence[Request]) -> int:

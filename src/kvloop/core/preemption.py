@@ -3,7 +3,8 @@
 Part of ``Scheduler`` (a mixin: the state is the scheduler's). A victim is the least
 urgent, latest-arrived running request that may go (``_pick_victim``); it leaves by swap or
 recompute (``_preempt``), with its whole group if it has one; a request admitted earlier in
-the same step is given back instead (``_unadmit``). A failed step is undone the same way
+the same step is given back instead (``_unadmit``; admissions are counted only once the
+step is decided, so there is nothing to undo). A failed step is undone the same way
 (``abandon_step``).
 """
 
@@ -179,30 +180,17 @@ class Preemption:
             d.preempt_causes.append((rid, *d.cause))
 
     def _unadmit(self, req: Request, b: StepBuilder) -> None:
-        """Undo an admission made earlier in this step (prefill-first, when the running
-        pass needs its blocks): the request waits again as if it had never been popped,
-        with no preemption counted and no prefix lookup or recompute charged."""
+        """Give back an admission made earlier in this step (prefill-first, when the
+        running pass needs its blocks): the request waits again as if it had never been
+        popped (nothing was counted for it yet: ``_commit_admissions``)."""
         rid = req.request_id
-        num_hit = b.admitted[rid]
         self.running.remove(req)
         self._prefilling.discard(rid)
         self._unforked.pop(rid, None)
         b.uncharge(rid)
         self.kv.free(req)
-        st = self.stats
-        if req.num_preemptions == 0:
-            st.prefix_cache_queries -= req.num_tokens
-            st.prefix_cache_hits -= num_hit
-            b.prefix_queries -= req.num_tokens
-            b.prefix_hits -= num_hit
-            req.first_scheduled_time = None  # NOTE: a first admission set it in this step
-            req.status = RequestStatus.WAITING
-        else:
-            st.recompute_prefix_hits -= num_hit
-            recomputed = max(0, req.num_tokens - 1 - num_hit)
-            req.num_recomputed_tokens -= recomputed
-            st.num_recomputed_tokens -= recomputed
-            req.status = RequestStatus.PREEMPTED
+        req.status = RequestStatus.WAITING if req.num_preemptions == 0 else (
+            RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         self.waiting.add_front([req])
         if b.decisions is not None:

@@ -159,6 +159,14 @@ class Request:
         return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Computed tokens at which the prompt (or a recompute) is done and the request
+        decodes: all of its tokens but the last sampled one, which its next decode computes
+        (the whole prompt before any output)."""
+        return self.num_prompt_tokens + len(self.output_token_ids) - (
+            1 if self.output_token_ids else 0)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -161,7 +161,7 @@ class StepResults:
         prefilling = self._prefilling
         for req in chunked:
             # NOTE: ``_num_partial`` prunes the set too; pruning here keeps walking it cheap.
-            if req.num_computed_tokens >= req.num_tokens - (1 if req.output_token_ids else 0):
+            if req.num_computed_tokens >= req.prefill_end:
                 prefilling.discard(req.request_id)
 
     def _finish_all(self, finished: Finished) -> None:

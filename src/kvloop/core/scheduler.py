@@ -218,6 +218,7 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
         try:
             for schedule_pass in self._passes:
                 schedule_pass(b)
+            self._commit_admissions(b)
             return self._build_output(b)
         except BaseException as exc:
             # NOTE: blocks were allocated, swapped and freed as decided; none of it will
@@ -286,7 +287,7 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
         count = 0
         for rid in list(prefilling):
             r = requests[rid]
-            end = r.num_tokens - (1 if r.output_token_ids else 0)
+            end = r.prefill_end
             if r.num_computed_tokens >= end:
                 prefilling.discard(rid)  # its prefill is done
             elif r.num_computed_tokens + scheduled.get(rid, 0) < end:
@@ -420,7 +421,7 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             blocks = len(self.kv.block_ids(r.request_id))
             assert blocks * bs >= r.num_computed_tokens, f"{r} lacks blocks"
             assert r.num_computed_tokens < r.num_tokens, f"{r} computed past its tokens"
-            if r.num_computed_tokens < r.num_tokens - (1 if r.output_token_ids else 0):
+            if r.num_computed_tokens < r.prefill_end:
                 assert r.request_id in self._prefilling, f"{r} prefills untracked"
         assert self._prefilling <= running, "a non-running request is tracked as prefilling"
         for r in self.swapped:
