@@ -141,26 +141,23 @@ def _url_host(host: str) -> str:
 
 
 def startup_line(engine: Any, model: str, url: str) -> str:
-    """The one line ``kvloop serve`` prints once the model is loaded: the model, device,
-    dtype and whose CPU kernels run (``kernels_note``), the KV blocks and their memory, the
-    token budget and why, the context length, the scheduling policy unless it is ``fcfs``
-    (``policy_note``) and the URL."""
+    """The one line ``kvloop serve`` prints once it is ready: the model, device and dtype,
+    the KV blocks and their memory, the token budget, the context length, the scheduling
+    policy unless it is ``fcfs`` (``policy_note``) and the URL. Whose kernels run and why
+    the budget is what it is are on the start-up lines before it."""
     runner = engine.executor
     cache = engine.scheduler.cache_config
     blocks, size = cache.num_gpu_blocks, cache.block_size
     device = getattr(runner, "device", None)
     dtype = getattr(runner, "precision", None) or str(getattr(runner, "dtype", "")).removeprefix(
         "torch.")
-    if note := getattr(runner, "dtype_note", ""):
-        dtype += f"; {note}"
-    if kernels := getattr(runner, "kernels_note", ""):
-        dtype += f"; {kernels}"
     where = f" on {device} ({dtype})" if device is not None else ""
     pool = getattr(getattr(runner, "kv_cache", None), "gpu", None)
     memory = f", {format_size(pool.nbytes)}" if pool is not None else ""
     swap = f" + {cache.num_cpu_blocks} swap blocks" if cache.num_cpu_blocks else ""
+    budget = engine.scheduler.config.max_num_batched_tokens
     return (f"kvloop serve: model {model}{where}; KV cache {blocks} blocks x {size} tokens = "
-            f"{blocks * size} tokens{memory}{swap}; token budget {engine.token_budget_note}; "
+            f"{blocks * size} tokens{memory}{swap}; token budget {budget} tokens per step; "
             f"max_model_len {engine.limits.max_model_len}; "
             f"{policy_note(engine.scheduler.config)}{url}")
 
