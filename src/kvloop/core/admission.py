@@ -10,45 +10,19 @@ unfinished prompts still need (``_pending_prompt_blocks``), and counts a new pro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvloop.core.decisions import Cause, Reason
 from kvloop.core.request import Request, RequestStatus
+from kvloop.core.state import SchedulerState
 from kvloop.core.step import StepBuilder
-
-if TYPE_CHECKING:
-    from kvloop.config import SchedulerConfig
-    from kvloop.core.kv_cache_manager import KVCacheManager
-    from kvloop.core.policies import Policy, WaitingQueue
-    from kvloop.core.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
 HEADROOM_TOKENS = 64
 """Tokens of KV growth per running request that cost-aware admission keeps free."""
 
 
-class Admission:
+class Admission(SchedulerState):
     """The waiting pass of ``Scheduler``."""
-
-    config: SchedulerConfig
-    kv: KVCacheManager
-    policy: Policy
-    stats: SchedulerStats
-    running: list[Request]
-    swapped: list[Request]
-    waiting: WaitingQueue
-    requests: dict[str, Request]
-    _prefilling: set[str]
-    _unforked: dict[str, int]
-
-    if TYPE_CHECKING:  # NOTE: provided by Scheduler and its other mixins
-
-        def _finish(self, request: Request, status: RequestStatus) -> None: ...
-        def _chunk(self, remaining: int, budget: int) -> int: ...
-        def _num_partial(self, b: StepBuilder) -> int: ...
-        def _admit_and_fork(self, leader: Request, b: StepBuilder) -> bool: ...
-        def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None: ...
-        def _preempt(self, victim: Request, b: StepBuilder) -> None: ...
 
     def _schedule_waiting(self, b: StepBuilder) -> None:
         # NOTE: swapped requests come back before new work is admitted (no starvation), and
@@ -76,11 +50,10 @@ class Admission:
         # (``pending``) and the headroom. Admitted on its first chunk alone, a long prompt
         # later takes the last free blocks and the next one to grow preempts it (or it
         # preempts the decodes), throwing away thousands of computed tokens.
-        headroom = -1  # tokens; -1: no headroom kept
+        # tokens of growth kept free for the running requests (None: none kept)
+        headroom = len(self.running) * HEADROOM_TOKENS if cfg.cost_aware_preemption else None
         exact = False
-        pending = -1  # blocks the running prompts still need; -1: not counted yet
-        if cfg.cost_aware_preemption:
-            headroom = len(self.running) * HEADROOM_TOKENS
+        pending: int | None = None  # blocks the running prompts still need (once counted)
         preempts = self.policy.preempts_running
         unforked = self._unforked
         reserved = sum(unforked.values()) if unforked else 0
@@ -137,8 +110,8 @@ class Admission:
                     if d is not None:
                         d.held.append((req.request_id, Reason.PARTIAL_PREFILLS))
                     continue
-            if headroom > 0:
-                if pending < 0:
+            if headroom:
+                if pending is None:
                     pending = self._pending_prompt_blocks()
                 whole = num_hit + remaining  # the prompt (a leader's: all but its last token)
                 left = kv.num_free_blocks - (kv.blocks_needed(whole) - len(hits)) - pending
@@ -171,9 +144,9 @@ class Admission:
                     stop = Reason.BLOCKS
                 break
             self._admit(req, n, num_hit, new_ids, b)
-            if headroom >= 0:
+            if headroom is not None:
                 headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
-                if pending >= 0 and n < remaining:  # the chunks it has yet to compute
+                if pending is not None and n < remaining:  # the chunks it has yet to compute
                     whole, first = num_hit + remaining, num_hit + n
                     pending += kv.blocks_needed(whole) - kv.blocks_needed(first)
             if group is not None:

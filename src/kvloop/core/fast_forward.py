@@ -30,15 +30,12 @@ from typing import TYPE_CHECKING
 
 from kvloop.core.admission import HEADROOM_TOKENS
 from kvloop.core.request import Request, RequestStatus
+from kvloop.core.state import SchedulerState
 from kvloop.core.step import StepBuilder
 from kvloop.core.waiting_gate import WaitingGate
 
 if TYPE_CHECKING:
-    from kvloop.config import SchedulerConfig
     from kvloop.core.kv_cache_manager import KVCacheManager
-    from kvloop.core.policies import Policy, WaitingQueue
-    from kvloop.core.results import Finished
-    from kvloop.core.stats import SchedulerStats, StepRecorder
 
 _RUNNING = RequestStatus.RUNNING
 _LENGTH = RequestStatus.FINISHED_LENGTH
@@ -50,38 +47,8 @@ it, and (c, p) of the others in the order of ``new_requests``). It leaves the sc
 clock at the step's end."""
 
 
-class FastForward:
+class FastForward(SchedulerState):
     """``fast_forward_decodes`` for ``Scheduler``."""
-
-    config: SchedulerConfig
-    kv: KVCacheManager
-    policy: Policy
-    stats: SchedulerStats
-    recorder: StepRecorder | None
-    clock: Callable[[], float]
-    requests: dict[str, Request]
-    running: list[Request]
-    swapped: list[Request]
-    waiting: WaitingQueue
-    step_index: int
-    _step: StepBuilder | None
-    _prefilling: set[str]
-    _unforked: dict[str, int]
-    _finished_ids: list[str]
-    _passes: tuple[Callable[[StepBuilder], None], ...]
-
-    if TYPE_CHECKING:  # NOTE: provided by Scheduler and StepResults
-        from collections.abc import Iterable, Mapping, Sequence
-
-        def _apply_tokens(
-            self, scheduled: Iterable[tuple[str, int]], sampled: Mapping[str, Sequence[int]],
-            errors: Mapping[str, str] | None, now: float,
-        ) -> tuple[list[Request], list[Request], Finished, int]: ...
-        def _commit_chunks(self, chunked: list[Request]) -> None: ...
-        def _commit_admissions(self, b: StepBuilder) -> None: ...
-        def _finish_all(self, finished: Finished) -> None: ...
-        def _count_step(self, gen_tokens: int, prompt_tokens: int) -> None: ...
-        def _pending_prompt_blocks(self) -> int: ...
 
     def fast_forward_decodes(self, execute: StepRun, between: Callable[[], bool], *,
                              token_id: int) -> int:

@@ -12,15 +12,11 @@ unit (room for all n is required) and preempted as one unit.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kvloop.core.decisions import Cause
 from kvloop.core.request import Request, RequestStatus
+from kvloop.core.state import SchedulerState
 from kvloop.core.step import StepBuilder
-
-if TYPE_CHECKING:
-    from kvloop.config import SchedulerConfig
-    from kvloop.core.kv_cache_manager import KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -65,23 +61,8 @@ class SequenceGroup:
         return child
 
 
-class GroupForking:
+class GroupForking(SchedulerState):
     """Forking groups for ``Scheduler`` (a mixin: the state is the scheduler's)."""
-
-    config: SchedulerConfig
-    kv: KVCacheManager
-    requests: dict[str, Request]
-    running: list[Request]
-    _unforked: dict[str, int]
-
-    if TYPE_CHECKING:  # NOTE: provided by Preemption and Scheduler
-
-        def _preempt(self, victim: Request, b: StepBuilder) -> None: ...
-
-        def _victim(self, b: StepBuilder) -> Request: ...
-
-        def _admit(self, req: Request, n: int, num_hit: int, block_ids: list[int],
-                   b: StepBuilder) -> None: ...
 
     def _schedule_fork(self, leader: Request, b: StepBuilder) -> None:
         """Fork a group whose leader computed all but its last prompt token: every sequence

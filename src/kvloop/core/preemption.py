@@ -10,42 +10,17 @@ step is decided, so there is nothing to undo). A failed step is undone the same 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvloop.core.decisions import Reason
 from kvloop.core.interface import SchedulerOutput
 from kvloop.core.request import Request, RequestStatus
+from kvloop.core.state import SchedulerState
 from kvloop.core.step import StepBuilder
-
-if TYPE_CHECKING:
-    from kvloop.config import SchedulerConfig
-    from kvloop.core.kv_cache_manager import KVCacheManager
-    from kvloop.core.policies import Policy, WaitingQueue
-    from kvloop.core.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Preemption:
+class Preemption(SchedulerState):
     """Preemption and step rollback for ``Scheduler``."""
-
-    config: SchedulerConfig
-    kv: KVCacheManager
-    policy: Policy
-    stats: SchedulerStats
-    requests: dict[str, Request]
-    running: list[Request]
-    swapped: list[Request]
-    waiting: WaitingQueue
-    step_index: int
-    _step: StepBuilder | None
-    _prefilling: set[str]
-    _unforked: dict[str, int]
-    _finished_ids: list[str]
-
-    if TYPE_CHECKING:  # NOTE: provided by Scheduler
-
-        def _finish(self, request: Request, status: RequestStatus) -> None: ...
 
     def _victim(self, b: StepBuilder) -> Request:
         victim = self._pick_victim(b, worse_than=None)
@@ -110,7 +85,7 @@ class Preemption:
                 b.decisions.left_out.append((req.request_id, Reason.DISCARD_CAP))
             return True
         short = self.kv.num_blocks_short(req, n)
-        if b.finishing_blocks < 0:
+        if b.finishing_blocks is None:
             freeable = self.kv.num_freeable_blocks
             b.finishing_blocks = sum(
                 freeable(r) for r in self.running

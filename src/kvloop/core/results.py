@@ -10,45 +10,19 @@ it does not advance in bulk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvloop.core.interface import ModelRunnerOutput, SchedulerOutput
 from kvloop.core.request import Request, RequestStatus
+from kvloop.core.state import SchedulerState
 from kvloop.core.step import build_step_record
-
-if TYPE_CHECKING:
-    from kvloop.core.kv_cache_manager import KVCacheManager
-    from kvloop.core.policies import Policy, WaitingQueue
-    from kvloop.core.stats import SchedulerStats, StepRecorder
-    from kvloop.core.step import StepBuilder
 
 _RUNNING = RequestStatus.RUNNING
 Finished = list[tuple[Request, RequestStatus]]
 
 
-class StepResults:
+class StepResults(SchedulerState):
     """``update_from_output`` and its pieces, for ``Scheduler``."""
-
-    kv: KVCacheManager
-    policy: Policy
-    stats: SchedulerStats
-    recorder: StepRecorder | None
-    clock: Callable[[], float]
-    requests: dict[str, Request]
-    running: list[Request]
-    swapped: list[Request]
-    waiting: WaitingQueue
-    step_index: int
-    _step: StepBuilder | None
-    _prefilling: set[str]
-    _arrived: list[tuple[str, float, int]]
-    _arrived_info: dict[str, dict[str, object]]
-    _finished_log: list[tuple[str, str]]
-
-    if TYPE_CHECKING:  # NOTE: provided by Scheduler
-
-        def _finish(self, request: Request, status: RequestStatus) -> None: ...
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -66,9 +66,9 @@ class StepBuilder:
         self.swapped_in: list[str] = []
         self.discarded = 0
         """Computed tokens thrown away by recompute preemptions in this step."""
-        self.finishing_blocks = -1
+        self.finishing_blocks: int | None = None
         """Blocks that requests finishing by length in this step will free, less those
-        promised to requests that wait for them (-1: not counted yet)."""
+        promised to requests that wait for them (None: not counted yet)."""
         self.pinned: set[str] = set()
         """Swapped in or forked during this step: never a victim in the same step."""
         self.preempted: list[tuple[str, str]] = []
