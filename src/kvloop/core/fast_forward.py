@@ -28,9 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvloop.core.admission import HEADROOM_TOKENS
 from kvloop.core.request import Request, RequestStatus
-from kvloop.core.state import SchedulerState
+from kvloop.core.state import HEADROOM_TOKENS, SchedulerState
 from kvloop.core.step import StepBuilder
 from kvloop.core.waiting_gate import WaitingGate
 

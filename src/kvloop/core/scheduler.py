@@ -9,32 +9,55 @@ request has ``num_computed_tokens`` and ``num_tokens``, and a step mixes both ki
 When a running request cannot get a KV slot, a victim (least urgent, latest arrived) is
 preempted by recompute or swap. Under the ``priority`` policy a waiting request may also
 preempt running requests that are strictly less urgent than itself.
+
+One step, top to bottom (this file, in this order):
+
+1. ``schedule`` opens the step (``StepBuilder``: the budget, capped by the policy's
+   ``token_cap``) and runs the three passes in the configured order.
+2. The running pass (``_schedule_running``): runs of decodes are charged in bulk (one slot
+   each, a new block at a block boundary); any other request (a prompt chunk, a group
+   leader about to fork, a decode that found no free block) goes through
+   ``_schedule_one``, which takes its blocks, preempting for them (``_preempt``) or, under
+   cost-aware rules, leaving it out of this step instead (``_wait_instead``).
+3. The swapped pass (``_schedule_swapped``): swapped-out requests come back in policy order
+   while seats, budget and blocks allow, never in a step that preempted.
+4. The waiting pass (``_schedule_waiting``): waiting requests in policy order, each with its
+   prefix-cache hits, a chunk of its prompt, and room kept for the running requests'
+   growth and unfinished prompts (cost-aware admission); ``_admit`` decides it.
+5. The decided step: ``_commit_admissions`` counts the admissions that stayed (prefix
+   lookups, recomputed tokens, first scheduled times) and ``_build_output`` hands the
+   executor what to run. ``update_from_output`` (``kvloop.core.results``) then applies the
+   tokens.
+
+The request's life outside the step (arrival, abort, a failed step, the invariants) is in
+``kvloop.core.lifecycle``; forking groups in ``kvloop.core.group``; running many
+decode-only steps at once in ``kvloop.core.fast_forward``; the state they share in
+``kvloop.core.state``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvloop.config import CacheConfig, SchedulerConfig
-from kvloop.core.admission import Admission
 from kvloop.core.decisions import Cause, Decisions, Reason
 from kvloop.core.fast_forward import FastForward
-from kvloop.core.group import GroupForking, SequenceGroup
+from kvloop.core.group import GroupForking
 from kvloop.core.interface import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.lifecycle import RequestLifecycle
 from kvloop.core.policies import make_policy
-from kvloop.core.preemption import Preemption
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.results import StepResults
+from kvloop.core.state import HEADROOM_TOKENS
 from kvloop.core.stats import SchedulerStats, StepRecorder
 from kvloop.core.step import StepBuilder
-from kvloop.request_fields import kv_blocks_needed
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
+class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
     """Continuous-batching scheduler over a paged KV cache."""
 
     def __init__(
@@ -84,120 +107,8 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
         self._passes: tuple[Callable[[StepBuilder], None], ...] = tuple(
             passes[name] for name in order)
 
-    # -- requests in and out -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queue a request, or finish it at once with an error if it can never run.
+    # -- one step ------------------------------------------------------------------
 
-        NOTE: all or nothing: when this raises (a duplicate id, a policy that cannot order
-        the request), the scheduler holds no trace of the request."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.status != RequestStatus.WAITING:
-            raise ValueError(f"request {request.request_id!r} is not new")
-        error = self._never_fits(request)
-        if error is not None:
-            self._record_arrival(request)
-            request.error = error
-            request.status = RequestStatus.FINISHED_ERROR
-            request.finished_time = self.clock()
-            self._count_finished(request)
-            return
-        params = request.sampling_params
-        request.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else request.eos_token_ids
-        )
-        if params.n > 1:
-            request.group = SequenceGroup(request, params.n)
-        request.arrival_order = self._num_added
-        self.waiting.add(request)  # NOTE: first: the policy's key may refuse the request
-        self._num_added += 1
-        self.requests[request.request_id] = request
-        self._record_arrival(request)
-
-    def _record_arrival(self, request: Request) -> None:
-        if self.recorder is None:
-            return
-        self._arrived.append((request.request_id, request.arrival_time,
-                              request.num_prompt_tokens))
-        info = {name: value for name, value in (
-            ("tenant", request.tenant), ("priority", request.priority),
-            ("slo_ttft", request.slo_ttft or self.config.slo_ttft),
-            ("slo_tpot", request.slo_tpot or self.config.slo_tpot)) if value}
-        if info:
-            self._arrived_info[request.request_id] = info
-
-    def _never_fits(self, request: Request) -> str | None:
-        cfg = self.config
-        total = request.max_total_tokens
-        if total > cfg.max_model_len:
-            return (
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.max_tokens}) = {total} exceeds max_model_len ({cfg.max_model_len})"
-            )
-        n = request.sampling_params.n
-        if n > cfg.max_num_seqs:
-            return f"n ({n}) exceeds max_num_seqs ({cfg.max_num_seqs})"
-        blocks = kv_blocks_needed(request.num_prompt_tokens, request.max_tokens, n,
-                                  self.kv.block_size)
-        if blocks > self.kv.num_gpu_blocks:
-            return (
-                f"request needs {blocks} KV blocks for {total} tokens"
-                + (f" in each of {n} sequences" if n > 1 else "")
-                + f" but the pool has only {self.kv.num_gpu_blocks}"
-            )
-        return None
-
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a request in any state, freeing everything it holds. False if unknown."""
-        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-
-    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
-        """Finish an unfinished request from outside the loop (abort, stop string)."""
-        if not status.finished:
-            raise ValueError(f"{status.name} is not a finished status")
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        if request.status == _RUNNING:
-            self.running.remove(request)
-        elif request.status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-        else:
-            self.waiting.remove(request)
-        self._finish(request, status)
-        return True
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished and release blocks; the caller has taken it out of its queue."""
-        request.status = status
-        request.finished_time = self.clock()
-        self.kv.free(request)
-        self.policy.forget(request)
-        self._prefilling.discard(request.request_id)
-        self._unforked.pop(request.request_id, None)
-        del self.requests[request.request_id]
-        self._finished_ids.append(request.request_id)
-        self._count_finished(request)
-
-    def _count_finished(self, request: Request) -> None:
-        reason = request.finish_reason
-        key = reason.value if reason is not None else "unknown"
-        by = self.stats.finished_by_reason
-        by[key] = by.get(key, 0) + 1
-        if self.recorder is not None:
-            # NOTE: every finish reaches a step record: those inside update_from_output go
-            # to its step; aborts, refusals and failed steps go to the next record.
-            self._finished_log.append((request.request_id, key))
-
-    # -- queries ---------------------------------------------------------------------
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    # -- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Must be followed by ``update_from_output``."""
         if self._step is not None:
@@ -227,72 +138,7 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             self._abandon(b, f"scheduler error: {exc!r}")
             raise
 
-    def _build_output(self, b: StepBuilder) -> SchedulerOutput:
-        requests, scheduled, new_blocks = self.requests, b.scheduled, b.new_blocks
-        # NOTE: admitted and forked requests are new to the executor (-> tokens cached).
-        admitted = {**b.admitted, **b.forked} if b.forked else b.admitted
-        swapped_in = set(b.swapped_in)
-        new_requests = [
-            NewRequestData(
-                request_id=rid,
-                prompt_token_ids=(req := requests[rid]).prompt_token_ids,
-                output_token_ids=list(req.output_token_ids),
-                sampling_params=req.sampling_params,
-                block_ids=new_blocks[rid],
-                num_computed_tokens=num_hit,
-                stop_ids=req.stop_ids,
-            )
-            for rid, num_hit in admitted.items()
-        ]
-        ids = [rid for rid in scheduled if rid not in admitted] if admitted else list(scheduled)
-        cached = CachedRequestData(
-            ids,
-            [new_blocks.get(rid) or [] for rid in ids] if new_blocks else [[] for _ in ids],
-            [requests[rid].num_computed_tokens for rid in ids],
-            [rid in swapped_in for rid in ids] if swapped_in else [False] * len(ids),
-        )
-        out = SchedulerOutput(
-            step=self.step_index,
-            new_requests=new_requests,
-            cached_requests=cached,
-            num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=b.token_budget - b.budget,
-            blocks_to_swap_out=b.swap_out,
-            blocks_to_swap_in=b.swap_in,
-            blocks_to_copy=b.copies,
-            finished_request_ids=self._finished_ids,
-            preempted_request_ids=[rid for rid, _ in b.preempted],
-            swapped_out_request_ids=[rid for rid, mode in b.preempted if mode == "swap"],
-        )
-        if not self.kv.plain_lru:
-            out.blocks_to_load, out.blocks_to_offload, out.kv_load_choices = (
-                self.kv.take_transfers())
-        self._finished_ids = []
-        return out
-
-    def _chunk(self, remaining: int, budget: int) -> int:
-        cap = self._chunk_cap
-        if cap and remaining > cap:
-            remaining = cap
-        return remaining if remaining < budget else budget
-
-    def _num_partial(self, b: StepBuilder) -> int:
-        """Running requests whose prefill stays unfinished after this step, whichever pass
-        scheduled (or skipped) them: the one count ``max_num_partial_prefills`` caps.
-
-        NOTE: computed from state, not accumulated by the passes, so it cannot depend on
-        the order they run in. It walks ``_prefilling`` (admitted or swapped in with prompt
-        tokens left, pruned here once their prefill is done), not every running request."""
-        scheduled, requests, prefilling = b.scheduled, self.requests, self._prefilling
-        count = 0
-        for rid in list(prefilling):
-            r = requests[rid]
-            end = r.prefill_end
-            if r.num_computed_tokens >= end:
-                prefilling.discard(rid)  # its prefill is done
-            elif r.num_computed_tokens + scheduled.get(rid, 0) < end:
-                count += 1
-        return count
+    # -- the running pass ----------------------------------------------------------
 
     def _schedule_running(self, b: StepBuilder) -> None:
         scheduled = b.scheduled
@@ -358,6 +204,8 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             new_ids = allocate(req, n)
         b.charge(req, n, remaining, new_ids)
 
+    # -- the swapped pass ----------------------------------------------------------
+
     def _schedule_swapped(self, b: StepBuilder) -> None:
         # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
         # swaps out and swaps in (see ``_preempt``).
@@ -401,34 +249,414 @@ class Scheduler(StepResults, Preemption, GroupForking, Admission, FastForward):
             b.charge(req, n, remaining, kv.block_ids(rid))
             self.stats.num_blocks_swapped_in += len(pairs)
 
-    # -- checks ----------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Assert queues, statuses and the KV cache agree (tests call it every step)."""
-        self.kv.check_invariants()
-        running = {r.request_id for r in self.running}
-        swapped = {r.request_id for r in self.swapped}
-        waiting = {r.request_id for r in self.waiting}
-        assert len(running) == len(self.running), "a request is twice in running"
-        assert len(waiting) == len(self.waiting), "waiting queue size drifted"
-        assert not (running & swapped or running & waiting or swapped & waiting)
-        assert running | swapped | waiting == set(self.requests), "a request is lost"
-        assert len(self.running) <= self.config.max_num_seqs
-        assert self.kv.device_owners() <= running, "a non-running request holds blocks"
-        assert self.kv.host_owners() == swapped, "swapped table mismatch"
-        bs = self.kv.block_size
-        for r in self.running:
-            assert r.status == _RUNNING, r
-            blocks = len(self.kv.block_ids(r.request_id))
-            assert blocks * bs >= r.num_computed_tokens, f"{r} lacks blocks"
-            assert r.num_computed_tokens < r.num_tokens, f"{r} computed past its tokens"
+    # -- the waiting pass ----------------------------------------------------------
+
+    def _schedule_waiting(self, b: StepBuilder) -> None:
+        # NOTE: swapped requests come back before new work is admitted (no starvation), and
+        # a step that had to preempt admits nothing new (that would only thrash).
+        waiting = self.waiting
+        if self.swapped or b.preempted or not len(waiting):
+            if b.decisions is not None and len(waiting):
+                b.decisions.stop(Reason.SWAPPED_FIRST if self.swapped else Reason.STEP_PREEMPTED,
+                                 len(waiting))
+            return
+        d = b.decisions
+        stop: Reason | None = None  # NOTE: set only while recording (``d``)
+        cfg, kv = self.config, self.kv
+        skipped: list[Request] = []
+        reject = self.policy.reject
+        # NOTE: cost-aware admission keeps free blocks for the running requests' next
+        # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
+        # the last free blocks only forces a preemption, and a recompute, a few steps
+        # later.
+        # NOTE: it starts as the bound HEADROOM_TOKENS per running request (O(1)) and is
+        # summed exactly over the running requests only when that bound would hold a
+        # request back, so a roomy pool pays nothing per running request.
+        # NOTE: a prompt's later chunks are certain growth, not a guess: a request is
+        # admitted only if its whole prompt fits beside the rest of the running prompts
+        # (``pending``) and the headroom. Admitted on its first chunk alone, a long prompt
+        # later takes the last free blocks and the next one to grow preempts it (or it
+        # preempts the decodes), throwing away thousands of computed tokens.
+        # tokens of growth kept free for the running requests (None: none kept)
+        headroom = len(self.running) * HEADROOM_TOKENS if cfg.cost_aware_preemption else None
+        exact = False
+        pending: int | None = None  # blocks the running prompts still need (once counted)
+        preempts = self.policy.preempts_running
+        unforked = self._unforked
+        reserved = sum(unforked.values()) if unforked else 0
+        while (len(waiting) and b.budget > 0
+               and len(self.running) + reserved < cfg.max_num_seqs):
+            req = waiting.pop()
+            if reject is not None and req.num_preemptions == 0:
+                why = reject(req, b.start_time)
+                if why is not None:
+                    req.error = why
+                    self._finish(req, RequestStatus.FINISHED_REJECTED)
+                    continue
+            if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
+                skipped.append(req)
+                if d is not None:
+                    d.held.append((req.request_id, Reason.JUST_PREEMPTED))
+                continue
+            group = req.group if req.group is not None and not req.group.forked else None
+            if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
+                waiting.add_front([req])  # NOTE: a group is admitted as one unit
+                if d is not None:
+                    d.held.append((req.request_id, Reason.SEATS))
+                    stop = Reason.SEATS
+                break
+            hits = kv.get_computed_blocks(req)
+            num_hit = len(hits) * kv.block_size
+            remaining = req.num_tokens - num_hit
+            if group is not None:
+                # NOTE: the leader prefills all but the last prompt token (then forks).
+                if hits and num_hit == req.num_prompt_tokens - 1:
+                    hits = hits[:-1]
+                    num_hit -= kv.block_size
+                remaining = req.num_prompt_tokens - 1 - num_hit
+                if remaining == 0:  # a one-token prompt: every sequence computes it now
+                    if not self._admit_and_fork(req, b):
+                        waiting.add_front([req])
+                        if d is not None:
+                            d.held.append((req.request_id, Reason.BLOCKS))
+                            stop = Reason.BLOCKS
+                        break
+                    reserved = sum(unforked.values())
+                    continue
+            n = self._chunk(remaining, b.budget)
+            if n < remaining:
+                # NOTE: without chunking the budget covers max_model_len (config check).
+                if not cfg.enable_chunked_prefill:
+                    waiting.add_front([req])  # wait for a step with room for all of it
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.WHOLE_PROMPT))
+                        stop = Reason.WHOLE_PROMPT
+                    break
+                if self._num_partial(b) >= cfg.max_num_partial_prefills:
+                    skipped.append(req)  # a shorter prompt behind it may still fit
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.PARTIAL_PREFILLS))
+                    continue
+            if headroom:
+                if pending is None:
+                    pending = self._pending_prompt_blocks()
+                whole = num_hit + remaining  # the prompt (a leader's: all but its last token)
+                left = kv.num_free_blocks - (kv.blocks_needed(whole) - len(hits)) - pending
+                if left < kv.blocks_needed(headroom) and not exact:
+                    headroom, exact = _headroom(self.running), True
+                if left < kv.blocks_needed(headroom) and (
+                        not preempts or not any(r.priority > req.priority for r in self.running)):
+                    # NOTE: keep the running requests' growth room, unless the request may
+                    # preempt some of them for urgency anyway.
+                    waiting.add_front([req])
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.HEADROOM))
+                        stop = Reason.HEADROOM
+                    break
+            req.num_computed_tokens = num_hit
+            new_ids = kv.allocate_slots(req, n, hits)
+            if new_ids is None and d is not None:
+                d.cause = (Cause.PRIORITY, req.request_id)
+            while new_ids is None and self.policy.preempts_running:
+                victim = self._pick_victim(b, worse_than=req)
+                if victim is None:
+                    break
+                self._preempt(victim, b)
+                new_ids = kv.allocate_slots(req, n, hits)
+            if new_ids is None:
+                req.num_computed_tokens = 0
+                waiting.add_front([req])
+                if d is not None:
+                    d.held.append((req.request_id, Reason.BLOCKS))
+                    stop = Reason.BLOCKS
+                break
+            self._admit(req, n, num_hit, new_ids, b)
+            if headroom is not None:
+                headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
+                if pending is not None and n < remaining:  # the chunks it has yet to compute
+                    whole, first = num_hit + remaining, num_hit + n
+                    pending += kv.blocks_needed(whole) - kv.blocks_needed(first)
+            if group is not None:
+                reserved = sum(unforked.values())
+        if skipped:
+            waiting.add_front(skipped)
+        if d is not None and len(waiting):
+            if stop is None:  # NOTE: the loop's own conditions ended it
+                stop = Reason.BUDGET if b.budget <= 0 else (
+                    Reason.SEATS if len(self.running) + reserved >= cfg.max_num_seqs
+                    else Reason.POLICY_ORDER)
+            d.stop(stop, len(waiting))
+
+    def _pending_prompt_blocks(self) -> int:
+        """Blocks the running requests still need to finish their prompts (or recompute),
+        beyond those they hold."""
+        kv, requests, pending = self.kv, self.requests, 0
+        for rid in self._prefilling:
+            r = requests[rid]
             if r.num_computed_tokens < r.prefill_end:
-                assert r.request_id in self._prefilling, f"{r} prefills untracked"
-        assert self._prefilling <= running, "a non-running request is tracked as prefilling"
-        for r in self.swapped:
-            assert r.status == RequestStatus.SWAPPED, r
-        for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
-            assert r.num_computed_tokens == 0, r
+                pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
+        return pending
+
+    def _admit(
+        self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
+    ) -> None:
+        """Decide to run ``req`` in this step (counted by ``_commit_admissions`` once the
+        passes are done)."""
+        req.status = _RUNNING
+        self.running.append(req)
+        self._prefilling.add(req.request_id)
+        if req.group is not None and not req.group.forked:
+            self._unforked[req.request_id] = req.group.n - 1
+        b.charge(req, n, req.num_tokens - num_hit, block_ids)
+        b.admitted[req.request_id] = num_hit
+
+    # -- making room: preemption ---------------------------------------------------
+
+    def _wait_instead(self, req: Request, n: int, b: StepBuilder) -> bool:
+        """Cost-aware: leave ``req`` out of this step instead of preempting for it when
+        this step already threw away a step's budget of work, or when requests finishing
+        in this step (by length: certain) free the blocks it lacks."""
+        if b.discarded >= self.config.max_num_batched_tokens:
+            self.stats.num_preemptions_avoided += 1
+            if b.decisions is not None:
+                b.decisions.left_out.append((req.request_id, Reason.DISCARD_CAP))
+            return True
+        short = self.kv.num_blocks_short(req, n)
+        if b.finishing_blocks is None:
+            freeable = self.kv.num_freeable_blocks
+            b.finishing_blocks = sum(
+                freeable(r) for r in self.running
+                if r.request_id in b.scheduled and r.output_token_ids
+                and b.scheduled[r.request_id] == r.num_tokens - r.num_computed_tokens
+                and len(r.output_token_ids) + 1 >= r.sampling_params.max_tokens)
+        if 0 < short <= b.finishing_blocks:
+            b.finishing_blocks -= short  # NOTE: promised to req, not to the next one
+            self.stats.num_preemptions_avoided += 1
+            if b.decisions is not None:
+                b.decisions.left_out.append((req.request_id, Reason.FINISHING_BLOCKS))
+            return True
+        return False
+
+    def _victim(self, b: StepBuilder) -> Request:
+        victim = self._pick_victim(b, worse_than=None)
+        assert victim is not None, "the request that needs room is never pinned"
+        return victim
+
+    def _pick_victim(self, b: StepBuilder, worse_than: Request | None) -> Request | None:
+        """The running request to preempt now, or None if none may go.
+
+        Candidates: running requests not swapped in or forked in this step; with
+        ``worse_than``, only those strictly less urgent than it, not admitted in this step
+        (so priority preemption cannot cycle). The least urgent, latest arrived candidate
+        goes; under cost-aware preemption, of those not preempted ``max_preemptions`` times
+        yet and that free a block (``_spare``).
+        """
+        key = self.policy.key
+        if worse_than is None:
+            candidates = [r for r in self.running if r.request_id not in b.pinned]
+        else:
+            bar = key(worse_than)
+            candidates = [
+                r
+                for r in self.running
+                if r.request_id not in b.pinned
+                and r.request_id not in b.admitted
+                and r.priority > worse_than.priority
+                and key(r) > bar
+            ]
+        if not candidates:
+            return None
+        if not self.config.cost_aware_preemption or len(candidates) == 1:
+            return max(candidates, key=key)
+        return self._spare(candidates)
+
+    def _spare(self, candidates: list[Request]) -> Request:
+        """The least urgent candidate that has not been preempted ``max_preemptions`` times
+        and frees at least one block (one whose blocks are all shared frees nothing), if
+        any; else the least urgent.
+
+        NOTE: urgency, not the work a victim loses, picks among the rest: choosing the
+        victim that loses the fewest tokens (per block freed, prefix cache included) was
+        measured to recompute less but to preempt older requests, whose return holds the
+        queue's head for long: p99 TTFT 4-10x worse on Mooncake (docs/policies.md). The
+        work is saved where it is cheaper: admission headroom (``_schedule_waiting``),
+        waiting for finishing requests (``_wait_instead``) and the thrash bound here.
+        In the running pass the requester itself is a candidate, so some choice always
+        frees room or takes the requester off the device.
+        """
+        limit = self.config.max_preemptions
+        pool = [r for r in candidates if r.num_preemptions < limit] or candidates
+        pool.sort(key=self.policy.key, reverse=True)
+        freeable = self.kv.num_freeable_blocks
+        return next((r for r in pool if freeable(r)), pool[0])
+
+    def _preempt(self, victim: Request, b: StepBuilder) -> None:
+        """Take ``victim`` (already chosen) off the device, with its whole group if it has
+        one; undo their share of this step."""
+        group = victim.group
+        if group is not None and group.forked:
+            for member in [m for m in group.members if m.status is _RUNNING]:
+                self._preempt_one(member, b)
+        else:
+            self._preempt_one(victim, b)
+
+    def _preempt_one(self, victim: Request, b: StepBuilder) -> None:
+        rid = victim.request_id
+        if rid in b.admitted:
+            self._unadmit(victim, b)
+            return
+        self.running.remove(victim)
+        self._prefilling.discard(rid)
+        self._unforked.pop(rid, None)
+        b.uncharge(rid)
+        # NOTE: a step never both swaps in and swaps out, so host blocks released by a
+        # swap-in cannot be overwritten by a swap-out before they are read (and vice versa).
+        # NOTE: cost-aware: a victim with at most one block of work recomputes it (cheaper
+        # than copying a block out and back, and it keeps the host tier for long contexts).
+        swap = (
+            self.config.preemption_mode == "swap"
+            and not b.swap_in
+            and victim.num_computed_tokens > (
+                self.kv.block_size if self.config.cost_aware_preemption else 0)
+            and (victim.group is None or victim.group.forked)  # NOTE: leaders recompute
+            and self.kv.can_swap_out(victim)
+        )
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        if swap:
+            pairs = self.kv.swap_out(victim)
+            b.swap_out.extend(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.stats.num_swap_preemptions += 1
+            self.stats.num_blocks_swapped_out += len(pairs)
+            b.preempted.append((rid, "swap"))
+        else:
+            b.discarded += victim.num_computed_tokens
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.add(victim)
+            self.stats.num_recompute_preemptions += 1
+            b.preempted.append((rid, "recompute"))
+        b.preempted_ids.add(rid)
+        d = b.decisions
+        if d is not None:
+            d.preempt_causes.append((rid, *d.cause))
+
+    def _unadmit(self, req: Request, b: StepBuilder) -> None:
+        """Give back an admission made earlier in this step (prefill-first, when the
+        running pass needs its blocks): the request waits again as if it had never been
+        popped (nothing was counted for it yet: ``_commit_admissions``)."""
+        rid = req.request_id
+        self.running.remove(req)
+        self._prefilling.discard(rid)
+        self._unforked.pop(rid, None)
+        b.uncharge(rid)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING if req.num_preemptions == 0 else (
+            RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0
+        self.waiting.add_front([req])
+        if b.decisions is not None:
+            b.decisions.held.append((rid, Reason.GIVEN_BACK))
+
+    # -- the decided step ----------------------------------------------------------
+
+    def _commit_admissions(self, b: StepBuilder) -> None:
+        """Count the admissions the step kept: prefix lookups (a first admission) or the
+        tokens to recompute (a readmission), and first scheduled times.
+
+        NOTE: after every pass, so an admission given back later in the same step
+        (``_unadmit``) was never counted and has nothing to undo."""
+        st, requests, start = self.stats, self.requests, b.start_time
+        for rid, num_hit in b.admitted.items():
+            req = requests[rid]
+            if req.num_preemptions == 0:
+                st.prefix_cache_queries += req.num_tokens
+                st.prefix_cache_hits += num_hit
+                b.prefix_queries += req.num_tokens
+                b.prefix_hits += num_hit
+            else:
+                st.recompute_prefix_hits += num_hit
+                recomputed = max(0, req.num_tokens - 1 - num_hit)
+                req.num_recomputed_tokens += recomputed
+                st.num_recomputed_tokens += recomputed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+        for rid in b.forked:
+            child = requests[rid]
+            if child.first_scheduled_time is None:  # NOTE: forked in its leader's first step
+                child.first_scheduled_time = start
+
+    def _build_output(self, b: StepBuilder) -> SchedulerOutput:
+        requests, scheduled, new_blocks = self.requests, b.scheduled, b.new_blocks
+        # NOTE: admitted and forked requests are new to the executor (-> tokens cached).
+        admitted = {**b.admitted, **b.forked} if b.forked else b.admitted
+        swapped_in = set(b.swapped_in)
+        new_requests = [
+            NewRequestData(
+                request_id=rid,
+                prompt_token_ids=(req := requests[rid]).prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=new_blocks[rid],
+                num_computed_tokens=num_hit,
+                stop_ids=req.stop_ids,
+            )
+            for rid, num_hit in admitted.items()
+        ]
+        ids = [rid for rid in scheduled if rid not in admitted] if admitted else list(scheduled)
+        cached = CachedRequestData(
+            ids,
+            [new_blocks.get(rid) or [] for rid in ids] if new_blocks else [[] for _ in ids],
+            [requests[rid].num_computed_tokens for rid in ids],
+            [rid in swapped_in for rid in ids] if swapped_in else [False] * len(ids),
+        )
+        out = SchedulerOutput(
+            step=self.step_index,
+            new_requests=new_requests,
+            cached_requests=cached,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=b.token_budget - b.budget,
+            blocks_to_swap_out=b.swap_out,
+            blocks_to_swap_in=b.swap_in,
+            blocks_to_copy=b.copies,
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=[rid for rid, _ in b.preempted],
+            swapped_out_request_ids=[rid for rid, mode in b.preempted if mode == "swap"],
+        )
+        if not self.kv.plain_lru:
+            out.blocks_to_load, out.blocks_to_offload, out.kv_load_choices = (
+                self.kv.take_transfers())
+        self._finished_ids = []
+        return out
+
+    # -- shared by the passes ------------------------------------------------------
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        cap = self._chunk_cap
+        if cap and remaining > cap:
+            remaining = cap
+        return remaining if remaining < budget else budget
+
+    def _num_partial(self, b: StepBuilder) -> int:
+        """Running requests whose prefill stays unfinished after this step, whichever pass
+        scheduled (or skipped) them: the one count ``max_num_partial_prefills`` caps.
+
+        NOTE: computed from state, not accumulated by the passes, so it cannot depend on
+        the order they run in. It walks ``_prefilling`` (admitted or swapped in with prompt
+        tokens left, pruned here once their prefill is done), not every running request."""
+        scheduled, requests, prefilling = b.scheduled, self.requests, self._prefilling
+        count = 0
+        for rid in list(prefilling):
+            r = requests[rid]
+            end = r.prefill_end
+            if r.num_computed_tokens >= end:
+                prefilling.discard(rid)  # its prefill is done
+            elif r.num_computed_tokens + scheduled.get(rid, 0) < end:
+                count += 1
+        return count
 
 
 def _leading_decodes(requests: list[Request], start: int, limit: int) -> int:
@@ -442,3 +670,15 @@ def _leading_decodes(requests: list[Request], start: int, limit: int) -> int:
             break
         k += 1
     return k
+
+
+def _headroom(running: Sequence[Request]) -> int:
+    """Tokens the running requests may still add within ``HEADROOM_TOKENS`` each.
+
+    NOTE: the only read of how far the running requests got in the waiting pass; fast-forward
+    relies on that (``FastForward._progress_unread``)."""
+    total = 0
+    for r in running:
+        left = r.sampling_params.max_tokens - len(r.output_token_ids)
+        total += left if left < HEADROOM_TOKENS else HEADROOM_TOKENS
+    return total

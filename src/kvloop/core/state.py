@@ -1,15 +1,19 @@
 """What the parts of ``Scheduler`` share, declared once.
 
-``Scheduler`` is assembled from parts, one per concern (admission, preemption, group
-forking, applying a step's results, fast-forward), each a class deriving from
-:class:`SchedulerState`: they read and write the one state ``Scheduler.__init__`` sets up,
-and call each other's methods, which are declared here for type checkers only.
+``Scheduler`` (the step: ``kvloop.core.scheduler``) is assembled with parts, one per
+concern outside the step's decisions (a request's life, forking groups, applying a step's
+results, fast-forward), each a class deriving from :class:`SchedulerState`: they read and
+write the one state ``Scheduler.__init__`` sets up, and call each other's methods, which
+are declared here for type checkers only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
+
+HEADROOM_TOKENS = 64
+"""Tokens of KV growth per running request that cost-aware admission keeps free."""
 
 if TYPE_CHECKING:
     from kvloop.config import CacheConfig, SchedulerConfig
@@ -40,6 +44,7 @@ class SchedulerState:
     _prefilling: set[str]
     _unforked: dict[str, int]
     _finished_ids: list[str]
+    _num_added: int
     _arrived: list[tuple[str, float, int]]
     _arrived_info: dict[str, dict[str, object]]
     _finished_log: list[tuple[str, str]]
@@ -47,22 +52,21 @@ class SchedulerState:
 
     if TYPE_CHECKING:  # NOTE: each is defined by exactly one part of ``Scheduler``
 
-        # Scheduler
-        def _finish(self, request: Request, status: RequestStatus) -> None: ...
+        # Scheduler (the step)
         def _chunk(self, remaining: int, budget: int) -> int: ...
         def _num_partial(self, b: StepBuilder) -> int: ...
-
-        # Admission
         def _admit(self, req: Request, n: int, num_hit: int, block_ids: list[int],
                    b: StepBuilder) -> None: ...
         def _commit_admissions(self, b: StepBuilder) -> None: ...
         def _pending_prompt_blocks(self) -> int: ...
-
-        # Preemption
         def _victim(self, b: StepBuilder) -> Request: ...
         def _pick_victim(self, b: StepBuilder, worse_than: Request | None
                          ) -> Request | None: ...
         def _preempt(self, victim: Request, b: StepBuilder) -> None: ...
+
+        # RequestLifecycle
+        def _finish(self, request: Request, status: RequestStatus) -> None: ...
+        def _abandon(self, b: StepBuilder, error: str) -> list[Request]: ...
 
         # GroupForking
         def _admit_and_fork(self, leader: Request, b: StepBuilder) -> bool: ...
