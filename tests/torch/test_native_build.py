@@ -134,3 +134,17 @@ def test_a_loader_failure_over_a_finished_build_is_not_a_failed_build(tmp_path: 
                           capture_output=True, text=True, timeout=120, check=False)
     assert "LOADED True" in proc.stdout, proc.stdout + proc.stderr[-800:]
     assert not (copy / "build-failed.txt").exists()
+
+
+def test_two_environments_with_the_same_torch_build_apart(monkeypatch, tmp_path: Path) -> None:
+    # torch's build files name its installation's include paths: a second virtual
+    # environment with the same torch version must not share (and recompile) the build.
+    spec = native.build_for_cpu() or native.FULL
+    here = native.build_tag(spec)
+    other = tmp_path / "venv" / "site-packages" / "torch" / "__init__.py"
+    other.parent.mkdir(parents=True)
+    other.write_text("")
+    monkeypatch.setattr(native.torch, "__file__", str(other))
+    elsewhere = native.build_tag(spec)
+    assert elsewhere != here
+    assert elsewhere.split("-")[:-1] == here.split("-")[:-1]  # same versions and variant

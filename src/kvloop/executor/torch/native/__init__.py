@@ -160,11 +160,30 @@ def kernels() -> ModuleType | None:
         return None
 
 
+def build_tag(build_spec: Build) -> str:
+    """The name of ``build_spec``'s build directory: torch's and Python's versions, the
+    variant, and a hash of the flags, the sources and the torch installation the build
+    compiles against.
+
+    NOTE: torch's build files name its installation's include paths, so two environments
+    with the same torch (two virtual environments) would otherwise share a directory and
+    recompile it, silently, each time the other one started."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256(" ".join(build_spec.cflags).encode())
+    digest.update(str(Path(torch.__file__).resolve().parent).encode())
+    for name in sorted(p.name for p in here.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(name.encode() + (here / name).read_bytes())
+    version = f"{sys.version_info[0]}{sys.version_info[1]}"
+    variant = build_spec.name.removeprefix("kvloop_native").replace("_", "-")
+    return (f"torch{torch.__version__.replace('+', '_')}-py{version}{variant}-"
+            f"{digest.hexdigest()[:12]}")
+
+
 def _build_and_load(build_spec: Build) -> ModuleType:
     """Compile the sources into this machine's cache (once per source version) and load them.
 
-    NOTE: the build directory is named by a hash of the sources and flags, so two checkouts
-    or versions never rebuild over each other. An ``flock`` (released by the OS even when a
+    NOTE: the build directory is named by :func:`build_tag`, so two checkouts, versions or
+    environments never rebuild over each other. An ``flock`` (released by the OS even when a
     process is killed) serialises builders; torch's own lock file, which a killed build
     leaves behind and which torch would wait on forever, is removed under it. A failed build
     leaves ``build-failed.txt``, naming the compiler it used, so that later processes do not
@@ -175,14 +194,7 @@ def _build_and_load(build_spec: Build) -> ModuleType:
     from kvloop.paths import cache_dir
 
     here = Path(__file__).parent
-    digest = hashlib.sha256(" ".join(build_spec.cflags).encode())
-    for name in sorted(p.name for p in here.iterdir() if p.suffix in (".cpp", ".h")):
-        digest.update(name.encode() + (here / name).read_bytes())
-    version = f"{sys.version_info[0]}{sys.version_info[1]}"
-    variant = build_spec.name.removeprefix("kvloop_native").replace("_", "-")
-    tag = (f"torch{torch.__version__.replace('+', '_')}-py{version}{variant}-"
-           f"{digest.hexdigest()[:12]}")
-    build = cache_dir() / "native" / tag
+    build = cache_dir() / "native" / build_tag(build_spec)
     built = build / f"{build_spec.name}.so"
     failed = build / "build-failed.txt"
     compiler = os.environ.get("CXX", "c++")
