@@ -80,12 +80,13 @@ def h100_run(path: Path) -> dict[str, Any]:
     cfg = json.loads((path.parent / run["model_config"]).read_text())
     model = ModelSpec.from_hf_config(cfg, run["model"])
     hw, tp, va = get_hardware_spec("h100"), int(run["tensor_parallel_size"]), run["vllm_args"]
-    w = dict(run["workload"])
+    w = {k: v for k, v in run["workload"].items()
+         if k not in ("generator", "arrivals", "stages", "ignore_eos")}  # the run's notes
     # NOTE: the measured prompt length (re-tokenised random text, chat framing) sets the
     # question's; the system prompt keeps its configured length.
     w["question_len"] = round(run["stages"][0]["prompt_len"]["mean"]) - w["system_prompt_len"]
     config = {"data": {"type": "shared_prefix", "shared_prefix": w},
-              "load": {"type": "constant", "stages": w["stages"]}}
+              "load": {"type": "constant", "stages": run["workload"]["stages"]}}
     workload = workload_from_config(config, where=run["run"])
     sched = SchedulerConfig(max_num_batched_tokens=va["max_num_batched_tokens"],
                             max_num_seqs=va["max_num_seqs"], max_model_len=va["max_model_len"])
@@ -278,7 +279,8 @@ def report(results: list[dict[str, Any]]) -> dict[str, float]:
     print("(ms for TTFT and decode/token, s for e2e; measured>simulated error; overload "
           "measured/simulated)")
     mape = {k: statistics.fmean(v) for k, v in errors.items() if v}
-    print("MAPE over the stages compared (neither side overloaded, and the rtx burst): "
+    rtx = ", and the rtx burst" if any(r.get("recorded") for r in results) else ""
+    print(f"MAPE over the stages compared (neither side overloaded{rtx}): "
           + ", ".join(f"{k} {v:.1f}%" for k, v in mape.items()))
     print(f"overload right in {hits} of {hits + misses} stages")
     print("speed (simulated seconds per wall second): " + ", ".join(

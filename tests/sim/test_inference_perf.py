@@ -218,6 +218,10 @@ _DROP = object()
     (_random, "data.output_distribution", _DROP, "data: 'output_distribution' must be a map"),
     (_random, "data.input_distribution.max", 5, "data.input_distribution: 'max' must be"),
     (_random, "data.input_distribution.mean", math.nan, "input_distribution: 'mean'"),
+    (_random, "data.output_distribution.stdev", 5, "data.output_distribution: unknown field "
+     "'stdev'; the fields read here are max, mean, min, std, std_dev, total_count"),
+    (_shared, "data.shared_prefix.question_lenn", 5, "data.shared_prefix: unknown field "
+     "'question_lenn'"),
 ])
 def test_bad_config_is_a_value_error_naming_the_field(make, dotted, value, needle):
     config = _set(make(), dotted, value)

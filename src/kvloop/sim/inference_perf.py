@@ -144,6 +144,27 @@ def _section(parent: Mapping[str, Any], key: str, where: str) -> Mapping[str, An
     return value
 
 
+def _known(d: Mapping[str, Any], keys: set[str], where: str) -> None:
+    """A typo in a field the simulator reads must not pass for its default: refuse any key
+    of ``d`` outside ``keys``."""
+    unknown = sorted(str(k) for k in d if k not in keys)
+    if unknown:
+        raise ValueError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))}; the fields read here are "
+                         f"{', '.join(sorted(keys))}")
+
+
+_DISTRIBUTION = {"mean", "std_dev", "std", "min", "max", "total_count"}
+"""The fields of an inference-perf length distribution (``total_count`` is not used: the
+load decides how many requests there are)."""
+_SHARED_PREFIX = {"num_groups", "num_prompts_per_group", "system_prompt_len",
+                  "enable_multi_turn_chat",
+                  *(f"{name}{suffix}" for name in ("question_len", "output_len")
+                    for suffix in ("", "_std", "_min", "_max"))}
+"""The fields of inference-perf's shared-prefix data (``enable_multi_turn_chat`` is not
+used: every request is one question after its group's system prompt)."""
+
+
 def _number(d: Mapping[str, Any], key: str, where: str, *, default: float | None = None,
             minimum: float = 0.0) -> float:
     value = d.get(key, default)
@@ -202,6 +223,7 @@ def _draw(mean: float, std: float, low: float, high: float, n: int, rng: random.
 
 
 def _lengths(d: Mapping[str, Any], n: int, rng: random.Random, where: str) -> list[int]:
+    _known(d, _DISTRIBUTION, where)
     mean = _number(d, "mean", where, minimum=1)
     std = _number(d, "std_dev", where, default=_number(d, "std", where, default=0.0))
     low = _number(d, "min", where, default=1.0, minimum=1)
@@ -213,6 +235,7 @@ def _shared_prefix(d: Mapping[str, Any], rng: random.Random, where: str
                    ) -> tuple[list[range | list[int]], list[int]]:
     """Every distinct prompt of a shared-prefix config, and its output length."""
     d = {_ALIASES.get(k, k): v for k, v in d.items()}
+    _known(d, _SHARED_PREFIX, where)
     groups = int(_number(d, "num_groups", where, minimum=1))
     per_group = int(_number(d, "num_prompts_per_group", where, minimum=1))
     system = int(_number(d, "system_prompt_len", where, minimum=0))
