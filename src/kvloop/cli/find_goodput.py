@@ -25,7 +25,8 @@ def run_find_goodput(args: argparse.Namespace, workload: list[WorkloadRequest],
     """Search ``args.find_goodput`` for the highest rate at which 90% of the workload's
     requests meet both SLOs; print each run and the result (and ``--json``)."""
     if sched.slo_ttft is None and sched.slo_tpot is None:
-        raise ValueError("--find-goodput needs an SLO: set --slo-ttft and/or --slo-tpot")
+        raise ValueError("--find-goodput needs an SLO: set --slo-ttft, --slo-tpot or both "
+                         "(a request counts when it meets every SLO given)")
     if max(args.replicas, args.data_parallel_size) > 1:
         raise ValueError("--find-goodput searches one replica: not with --replicas or "
                          "--data-parallel-size > 1")

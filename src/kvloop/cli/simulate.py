@@ -113,8 +113,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--find-goodput", type=rate_range, default=None, metavar="LO:HI",
                    help="search LO..HI requests/s (the workload's arrivals rescaled) for "
                    "DistServe's goodput: the highest rate at which 90%% of requests meet "
-                   "both --slo-ttft and --slo-tpot (default: off, one run at the given "
-                   "rate)")
+                   "every SLO given (--slo-ttft, --slo-tpot or both; default: off, one run "
+                   "at the given rate)")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1,
                    help="replicas of this configuration behind one router, on one virtual "
@@ -209,7 +209,8 @@ def check_fits(workload, sched: SchedulerConfig, cache: CacheConfig) -> None:
         )
     if too_long:
         print(
-            f"kvloop: warning: {too_long} requests exceed max_model_len "
+            f"kvloop: warning: {too_long} request{'s exceed' if too_long > 1 else ' exceeds'} "
+            f"max_model_len "
             f"({sched.max_model_len}) and will fail; raise --max-model-len to run them",
             file=sys.stderr,
         )
@@ -331,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     if staged is not None:
         m["stages"] = stage_summaries(result.requests, staged)
         source = (f"{args.workload} (inference-perf, {staged.kind}, "
-                  f"{len(staged.stages)} stages)")
+                  f"{len(staged.stages)} stage{'s' if len(staged.stages) > 1 else ''})")
     else:
         source = args.trace or "a synthetic workload"
     fleet = (f"{replicas} data-parallel ranks of " if args.data_parallel_size > 1 else

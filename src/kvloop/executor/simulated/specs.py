@@ -222,7 +222,12 @@ class ModelSpec:
 
         def need(key: str) -> int:
             if cfg.get(key) is None:
-                raise ValueError(f"{where}: Hugging Face config has no '{key}'")
+                arch = ", ".join(cfg.get("architectures") or []) or cfg.get("model_type")
+                kind = f" ({arch})" if arch else ""
+                raise ValueError(f"{where}: Hugging Face config{kind} has no '{key}': the "
+                                 "simulator reads decoder-only transformers described with "
+                                 "Llama's field names (Llama, Qwen, Mistral, Mixtral, "
+                                 "DeepSeek and the like)")
             return int(cfg[key])
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
