@@ -1,6 +1,6 @@
 """Fast-forward: runs of steps in which the running requests only decode, applied in bulk.
 
-Part of ``Scheduler`` (a mixin: the state is the scheduler's). The simulator spends most
+Part of ``Scheduler`` (its state: ``kvloop.core.state.SchedulerState``). The simulator spends most
 of its steps with a steady batch: every running request decodes one token, and stepping
 costs O(running) a step. ``fast_forward_decodes`` applies such steps with each decoding
 request brought up to date lazily (``_Decoders``: when it fills a block that is offered

@@ -62,7 +62,7 @@ class SequenceGroup:
 
 
 class GroupForking(SchedulerState):
-    """Forking groups for ``Scheduler`` (a mixin: the state is the scheduler's)."""
+    """Forking groups for ``Scheduler`` (its state: ``kvloop.core.state.SchedulerState``)."""
 
     def _schedule_fork(self, leader: Request, b: StepBuilder) -> None:
         """Fork a group whose leader computed all but its last prompt token: every sequence

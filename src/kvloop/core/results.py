@@ -1,6 +1,6 @@
 """Applying a step's results: the second half of the loop, ``update_from_output``.
 
-Part of ``Scheduler`` (a mixin: the state is the scheduler's). In this order: progress and
+Part of ``Scheduler`` (its state: ``kvloop.core.state.SchedulerState``). In this order: progress and
 sampled tokens per scheduled request (``_apply_tokens``), the blocks they filled offered to
 the prefix cache (``_commit_chunks``, then ``commit_one_token``), finished requests
 released (``_finish_all``), the step counted (``_count_step``) and recorded. Fast-forward
