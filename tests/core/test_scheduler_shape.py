@@ -151,3 +151,37 @@ def test_a_readmission_given_back_counts_no_recompute_until_it_runs():
         s.update_from_output(out, ex.execute(out))
         s.check_invariants()
     assert b.num_recomputed_tokens == s.stats.num_recomputed_tokens == 11  # counted once
+
+
+def test_a_waiting_pass_that_fails_loses_no_request():
+    # A takes a chunk, B is skipped (one partial prefill at a time), and looking up C's
+    # prefix fails: the step is abandoned, and B and C must be waiting again.
+    s = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                       max_num_partial_prefills=1, max_model_len=256)
+    ex = FakeExecutor()
+    for rid, n in (("A", 40), ("B", 40), ("C", 8)):
+        s.add_request(req(rid, n, 2))
+    lookup, calls = s.kv.get_computed_blocks, []
+
+    def failing(request):
+        calls.append(request.request_id)
+        if request.request_id == "C":
+            raise RuntimeError("lookup failed")
+        return lookup(request)
+
+    s.kv.get_computed_blocks = failing
+    try:
+        s.schedule()
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the injected failure did not reach schedule()")
+    assert calls == ["A", "B", "C"]
+    s.check_invariants()  # nobody lost: B and C wait, A failed with the step
+    assert {r.request_id for r in s.waiting} == {"B", "C"}
+    assert s.requests.keys() == {"B", "C"}
+    s.kv.get_computed_blocks = lookup
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        s.update_from_output(out, ex.execute(out))
+        s.check_invariants()

@@ -10,20 +10,23 @@ When a running request cannot get a KV slot, a victim (least urgent, latest arri
 preempted by recompute or swap. Under the ``priority`` policy a waiting request may also
 preempt running requests that are strictly less urgent than itself.
 
-One step, top to bottom (this file, in this order):
+One step, top to bottom (this file, in this order; the preemption the passes share comes
+right after the running pass, its first user):
 
 1. ``schedule`` opens the step (``StepBuilder``: the budget, capped by the policy's
    ``token_cap``) and runs the three passes in the configured order.
 2. The running pass (``_schedule_running``): runs of decodes are charged in bulk (one slot
-   each, a new block at a block boundary); any other request (a prompt chunk, a group
-   leader about to fork, a decode that found no free block) goes through
-   ``_schedule_one``, which takes its blocks, preempting for them (``_preempt``) or, under
-   cost-aware rules, leaving it out of this step instead (``_wait_instead``).
+   each, a new block at a block boundary); a decode that finds no free block gets room
+   made for it (``_make_room``: victims preempted, ``_preempt``, or under cost-aware rules
+   the decode left out of this step instead, ``_wait_instead``) and its run goes on. A
+   request with prompt work goes through ``_schedule_one``: its next chunk, with room made
+   the same way, or its group's fork (``kvloop.core.group``, which preempts for room).
 3. The swapped pass (``_schedule_swapped``): swapped-out requests come back in policy order
    while seats, budget and blocks allow, never in a step that preempted.
 4. The waiting pass (``_schedule_waiting``): waiting requests in policy order, each with its
    prefix-cache hits, a chunk of its prompt, and room kept for the running requests'
-   growth and unfinished prompts (cost-aware admission); ``_admit`` decides it.
+   growth and unfinished prompts (cost-aware admission); ``_admit`` records each
+   admission.
 5. The decided step: ``_commit_admissions`` counts the admissions that stayed (prefix
    lookups, recomputed tokens, first scheduled times) and ``_build_output`` hands the
    executor what to run. ``update_from_output`` (``kvloop.core.results``) then applies the
@@ -133,7 +136,8 @@ class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
             return self._build_output(b)
         except BaseException as exc:
             # NOTE: blocks were allocated, swapped and freed as decided; none of it will
-            # run, so the decisions are undone the way a failed step's are.
+            # run, so the step is abandoned as a failed one is: its scheduled requests fail,
+            # those it swapped out recompute, and the waiting pass put back what it held.
             self._step = None
             self._abandon(b, f"scheduler error: {exc!r}")
             raise
@@ -214,212 +218,6 @@ class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
             if req.status is not _RUNNING:
                 return False  # req itself (or its group) was preempted
         return True
-
-    # -- the swapped pass ----------------------------------------------------------
-
-    def _schedule_swapped(self, b: StepBuilder) -> None:
-        # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
-        # swaps out and swaps in (see ``_preempt``).
-        if not self.swapped:
-            return
-        d = b.decisions
-        if b.preempted:
-            if d is not None:
-                d.left_out += [(r.request_id, Reason.STEP_PREEMPTED) for r in self.swapped]
-            return
-        cfg, kv = self.config, self.kv
-        for req in sorted(self.swapped, key=self.policy.key):
-            if len(self.running) >= cfg.max_num_seqs or b.budget <= 0:
-                if d is not None:
-                    d.left_out.append((req.request_id, Reason.SEATS if b.budget > 0
-                                       else Reason.BUDGET))
-                break
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
-            if n < remaining and self._num_partial(b) >= cfg.max_num_partial_prefills:
-                if d is not None:
-                    d.left_out.append((req.request_id, Reason.PARTIAL_PREFILLS))
-                continue
-            if not kv.can_swap_in(req, n):
-                if d is not None:
-                    d.left_out.append((req.request_id, Reason.BLOCKS))
-                break
-            pairs = kv.swap_in(req)
-            new_ids = kv.allocate_slots(req, n)
-            assert new_ids is not None, "can_swap_in promised room"
-            self.swapped.remove(req)
-            req.status = _RUNNING
-            self.running.append(req)
-            rid = req.request_id
-            b.pinned.add(rid)
-            if remaining > 1:
-                self._prefilling.add(rid)
-            b.swap_in.extend(pairs)
-            b.swapped_in.append(rid)
-            # NOTE: a swapped-in request's new blocks are its whole table.
-            b.charge(req, n, remaining, kv.block_ids(rid))
-            self.stats.num_blocks_swapped_in += len(pairs)
-
-    # -- the waiting pass ----------------------------------------------------------
-
-    def _schedule_waiting(self, b: StepBuilder) -> None:
-        # NOTE: swapped requests come back before new work is admitted (no starvation), and
-        # a step that had to preempt admits nothing new (that would only thrash).
-        waiting = self.waiting
-        if self.swapped or b.preempted or not len(waiting):
-            if b.decisions is not None and len(waiting):
-                b.decisions.stop(Reason.SWAPPED_FIRST if self.swapped else Reason.STEP_PREEMPTED,
-                                 len(waiting))
-            return
-        d = b.decisions
-        stop: Reason | None = None  # NOTE: set only while recording (``d``)
-        cfg, kv = self.config, self.kv
-        skipped: list[Request] = []
-        reject = self.policy.reject
-        # NOTE: cost-aware admission keeps free blocks for the running requests' next
-        # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
-        # the last free blocks only forces a preemption, and a recompute, a few steps
-        # later.
-        # NOTE: it starts as the bound HEADROOM_TOKENS per running request (O(1)) and is
-        # summed exactly over the running requests only when that bound would hold a
-        # request back, so a roomy pool pays nothing per running request.
-        # NOTE: a prompt's later chunks are certain growth, not a guess: a request is
-        # admitted only if its whole prompt fits beside the rest of the running prompts
-        # (``pending``) and the headroom. Admitted on its first chunk alone, a long prompt
-        # later takes the last free blocks and the next one to grow preempts it (or it
-        # preempts the decodes), throwing away thousands of computed tokens.
-        # tokens of growth kept free for the running requests (None: none kept)
-        headroom = len(self.running) * HEADROOM_TOKENS if cfg.cost_aware_preemption else None
-        exact = False
-        pending: int | None = None  # blocks the running prompts still need (once counted)
-        preempts = self.policy.preempts_running
-        unforked = self._unforked
-        reserved = sum(unforked.values()) if unforked else 0
-        while (len(waiting) and b.budget > 0
-               and len(self.running) + reserved < cfg.max_num_seqs):
-            req = waiting.pop()
-            if reject is not None and req.num_preemptions == 0:
-                why = reject(req, b.start_time)
-                if why is not None:
-                    req.error = why
-                    self._finish(req, RequestStatus.FINISHED_REJECTED)
-                    continue
-            if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
-                skipped.append(req)
-                if d is not None:
-                    d.held.append((req.request_id, Reason.JUST_PREEMPTED))
-                continue
-            group = req.group if req.group is not None and not req.group.forked else None
-            if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
-                waiting.add_front([req])  # NOTE: a group is admitted as one unit
-                if d is not None:
-                    d.held.append((req.request_id, Reason.SEATS))
-                    stop = Reason.SEATS
-                break
-            hits = kv.get_computed_blocks(req)
-            num_hit = len(hits) * kv.block_size
-            remaining = req.num_tokens - num_hit
-            if group is not None:
-                # NOTE: the leader prefills all but the last prompt token (then forks).
-                if hits and num_hit == req.num_prompt_tokens - 1:
-                    hits = hits[:-1]
-                    num_hit -= kv.block_size
-                remaining = req.num_prompt_tokens - 1 - num_hit
-                if remaining == 0:  # a one-token prompt: every sequence computes it now
-                    if not self._admit_and_fork(req, b):
-                        waiting.add_front([req])
-                        if d is not None:
-                            d.held.append((req.request_id, Reason.BLOCKS))
-                            stop = Reason.BLOCKS
-                        break
-                    reserved = sum(unforked.values())
-                    continue
-            n = self._chunk(remaining, b.budget)
-            if n < remaining:
-                # NOTE: without chunking the budget covers max_model_len (config check).
-                if not cfg.enable_chunked_prefill:
-                    waiting.add_front([req])  # wait for a step with room for all of it
-                    if d is not None:
-                        d.held.append((req.request_id, Reason.WHOLE_PROMPT))
-                        stop = Reason.WHOLE_PROMPT
-                    break
-                if self._num_partial(b) >= cfg.max_num_partial_prefills:
-                    skipped.append(req)  # a shorter prompt behind it may still fit
-                    if d is not None:
-                        d.held.append((req.request_id, Reason.PARTIAL_PREFILLS))
-                    continue
-            if headroom:
-                if pending is None:
-                    pending = self._pending_prompt_blocks()
-                whole = num_hit + remaining  # the prompt (a leader's: all but its last token)
-                left = kv.num_free_blocks - (kv.blocks_needed(whole) - len(hits)) - pending
-                if left < kv.blocks_needed(headroom) and not exact:
-                    headroom, exact = _headroom(self.running), True
-                if left < kv.blocks_needed(headroom) and (
-                        not preempts or not any(r.priority > req.priority for r in self.running)):
-                    # NOTE: keep the running requests' growth room, unless the request may
-                    # preempt some of them for urgency anyway.
-                    waiting.add_front([req])
-                    if d is not None:
-                        d.held.append((req.request_id, Reason.HEADROOM))
-                        stop = Reason.HEADROOM
-                    break
-            req.num_computed_tokens = num_hit
-            new_ids = kv.allocate_slots(req, n, hits)
-            if new_ids is None and d is not None:
-                d.cause = (Cause.PRIORITY, req.request_id)
-            while new_ids is None and self.policy.preempts_running:
-                victim = self._pick_victim(b, worse_than=req)
-                if victim is None:
-                    break
-                self._preempt(victim, b)
-                new_ids = kv.allocate_slots(req, n, hits)
-            if new_ids is None:
-                req.num_computed_tokens = 0
-                waiting.add_front([req])
-                if d is not None:
-                    d.held.append((req.request_id, Reason.BLOCKS))
-                    stop = Reason.BLOCKS
-                break
-            self._admit(req, n, num_hit, new_ids, b)
-            if headroom is not None:
-                headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
-                if pending is not None and n < remaining:  # the chunks it has yet to compute
-                    whole, first = num_hit + remaining, num_hit + n
-                    pending += kv.blocks_needed(whole) - kv.blocks_needed(first)
-            if group is not None:
-                reserved = sum(unforked.values())
-        if skipped:
-            waiting.add_front(skipped)
-        if d is not None and len(waiting):
-            if stop is None:  # NOTE: the loop's own conditions ended it
-                stop = Reason.BUDGET if b.budget <= 0 else (
-                    Reason.SEATS if len(self.running) + reserved >= cfg.max_num_seqs
-                    else Reason.POLICY_ORDER)
-            d.stop(stop, len(waiting))
-
-    def _pending_prompt_blocks(self) -> int:
-        """Blocks the running requests still need to finish their prompts (or recompute),
-        beyond those they hold."""
-        kv, requests, pending = self.kv, self.requests, 0
-        for rid in self._prefilling:
-            r = requests[rid]
-            if r.num_computed_tokens < r.prefill_end:
-                pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
-        return pending
-
-    def _admit(
-        self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
-    ) -> None:
-        """Decide to run ``req`` in this step (counted by ``_commit_admissions`` once the
-        passes are done)."""
-        req.status = _RUNNING
-        self.running.append(req)
-        self._prefilling.add(req.request_id)
-        if req.group is not None and not req.group.forked:
-            self._unforked[req.request_id] = req.group.n - 1
-        b.charge(req, n, req.num_tokens - num_hit, block_ids)
-        b.admitted[req.request_id] = num_hit
 
     # -- making room: preemption ---------------------------------------------------
 
@@ -558,7 +356,14 @@ class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
     def _unadmit(self, req: Request, b: StepBuilder) -> None:
         """Give back an admission made earlier in this step (prefill-first, when the
         running pass needs its blocks): the request waits again as if it had never been
-        popped (nothing was counted for it yet: ``_commit_admissions``)."""
+        popped (its prefix lookup and recompute were not counted yet:
+        ``_commit_admissions``).
+
+        NOTE: with a host prefix tier, the loads its host hits queued still run in this
+        step (and are counted by the tier): the device blocks they fill are freed cached,
+        so its readmission finds them on the device unless they were reused meanwhile.
+        Loading into a block reused in the same step is harmless: the new owner's KV is
+        written after the load, and only its computed slots are ever read."""
         rid = req.request_id
         self.running.remove(req)
         self._prefilling.discard(rid)
@@ -572,6 +377,234 @@ class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
         if b.decisions is not None:
             b.decisions.held.append((rid, Reason.GIVEN_BACK))
 
+    # -- the swapped pass ----------------------------------------------------------
+
+    def _schedule_swapped(self, b: StepBuilder) -> None:
+        # NOTE: no swap-in in a step that preempted: it would thrash, and a step never both
+        # swaps out and swaps in (see ``_preempt``).
+        if not self.swapped:
+            return
+        d = b.decisions
+        if b.preempted:
+            if d is not None:
+                d.left_out += [(r.request_id, Reason.STEP_PREEMPTED) for r in self.swapped]
+            return
+        cfg, kv = self.config, self.kv
+        for req in sorted(self.swapped, key=self.policy.key):
+            if len(self.running) >= cfg.max_num_seqs or b.budget <= 0:
+                if d is not None:
+                    d.left_out.append((req.request_id, Reason.SEATS if b.budget > 0
+                                       else Reason.BUDGET))
+                break
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = 1 if remaining == 1 else self._chunk(remaining, b.budget)
+            if n < remaining and self._num_partial(b) >= cfg.max_num_partial_prefills:
+                if d is not None:
+                    d.left_out.append((req.request_id, Reason.PARTIAL_PREFILLS))
+                continue
+            if not kv.can_swap_in(req, n):
+                if d is not None:
+                    d.left_out.append((req.request_id, Reason.BLOCKS))
+                break
+            pairs = kv.swap_in(req)
+            new_ids = kv.allocate_slots(req, n)
+            assert new_ids is not None, "can_swap_in promised room"
+            self.swapped.remove(req)
+            req.status = _RUNNING
+            self.running.append(req)
+            rid = req.request_id
+            b.pinned.add(rid)
+            if remaining > 1:
+                self._prefilling.add(rid)
+            b.swap_in.extend(pairs)
+            b.swapped_in.append(rid)
+            # NOTE: a swapped-in request's new blocks are its whole table.
+            b.charge(req, n, remaining, kv.block_ids(rid))
+            self.stats.num_blocks_swapped_in += len(pairs)
+
+    # -- the waiting pass ----------------------------------------------------------
+
+    def _schedule_waiting(self, b: StepBuilder) -> None:
+        # NOTE: swapped requests come back before new work is admitted (no starvation), and
+        # a step whose earlier passes preempted admits nothing new (that would only thrash;
+        # a priority preemption for an admission below does not stop the pass).
+        waiting = self.waiting
+        if self.swapped or b.preempted or not len(waiting):
+            if b.decisions is not None and len(waiting):
+                b.decisions.stop(Reason.SWAPPED_FIRST if self.swapped else Reason.STEP_PREEMPTED,
+                                 len(waiting))
+            return
+        d = b.decisions
+        stop: Reason | None = None  # NOTE: set only while recording (``d``)
+        cfg, kv = self.config, self.kv
+        skipped: list[Request] = []
+        reject = self.policy.reject
+        # NOTE: cost-aware admission keeps free blocks for the running requests' next
+        # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
+        # the last free blocks only forces a preemption, and a recompute, a few steps
+        # later.
+        # NOTE: it starts as the bound HEADROOM_TOKENS per running request (O(1)) and is
+        # summed exactly over the running requests only when that bound would hold a
+        # request back, so a roomy pool pays nothing per running request.
+        # NOTE: a prompt's later chunks are certain growth, not a guess: a request is
+        # admitted only if its whole prompt fits beside the rest of the running prompts
+        # (``pending``) and the headroom. Admitted on its first chunk alone, a long prompt
+        # later takes the last free blocks and the next one to grow preempts it (or it
+        # preempts the decodes), throwing away thousands of computed tokens.
+        # tokens of growth kept free for the running requests (None: none kept, vLLM's
+        # rules; 0: nothing running yet, so nothing to keep)
+        headroom = len(self.running) * HEADROOM_TOKENS if cfg.cost_aware_preemption else None
+        exact = False
+        pending: int | None = None  # blocks the running prompts still need (once counted)
+        preempts = self.policy.preempts_running
+        unforked = self._unforked
+        reserved = sum(unforked.values()) if unforked else 0
+        in_hand: Request | None = None
+        try:
+            while (len(waiting) and b.budget > 0
+                   and len(self.running) + reserved < cfg.max_num_seqs):
+                req = in_hand = waiting.pop()
+                if reject is not None and req.num_preemptions == 0:
+                    why = reject(req, b.start_time)
+                    if why is not None:
+                        req.error = why
+                        self._finish(req, RequestStatus.FINISHED_REJECTED)
+                        continue
+                if req.request_id in b.preempted_ids:  # do not readmit a victim in its own step
+                    skipped.append(req)
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.JUST_PREEMPTED))
+                    continue
+                group = req.group if req.group is not None and not req.group.forked else None
+                if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
+                    waiting.add_front([req])  # NOTE: a group is admitted as one unit
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.SEATS))
+                        stop = Reason.SEATS
+                    break
+                hits = kv.get_computed_blocks(req)
+                num_hit = len(hits) * kv.block_size
+                remaining = req.num_tokens - num_hit
+                if group is not None:
+                    # NOTE: the leader prefills all but the last prompt token (then forks).
+                    if hits and num_hit == req.num_prompt_tokens - 1:
+                        hits = hits[:-1]
+                        num_hit -= kv.block_size
+                    remaining = req.num_prompt_tokens - 1 - num_hit
+                    if remaining == 0:  # a one-token prompt: every sequence computes it now
+                        if not self._admit_and_fork(req, b):
+                            waiting.add_front([req])
+                            if d is not None:
+                                d.held.append((req.request_id, Reason.BLOCKS))
+                                stop = Reason.BLOCKS
+                            break
+                        reserved = sum(unforked.values())
+                        continue
+                n = self._chunk(remaining, b.budget)
+                if n < remaining:
+                    # NOTE: without chunking the budget covers max_model_len (config check).
+                    if not cfg.enable_chunked_prefill:
+                        waiting.add_front([req])  # wait for a step with room for all of it
+                        if d is not None:
+                            d.held.append((req.request_id, Reason.WHOLE_PROMPT))
+                            stop = Reason.WHOLE_PROMPT
+                        break
+                    if self._num_partial(b) >= cfg.max_num_partial_prefills:
+                        skipped.append(req)  # a shorter prompt behind it may still fit
+                        if d is not None:
+                            d.held.append((req.request_id, Reason.PARTIAL_PREFILLS))
+                        continue
+                if headroom:
+                    if pending is None:
+                        pending = self._pending_prompt_blocks()
+                    whole = num_hit + remaining  # the prompt (a leader's: all but its last token)
+                    left = kv.num_free_blocks - (kv.blocks_needed(whole) - len(hits)) - pending
+                    if left < kv.blocks_needed(headroom) and not exact:
+                        headroom, exact = _headroom(self.running), True
+                    if left < kv.blocks_needed(headroom) and (not preempts or not any(
+                            r.priority > req.priority for r in self.running)):
+                        # NOTE: keep the running requests' growth room, unless the request
+                        # may preempt some of them for urgency anyway.
+                        waiting.add_front([req])
+                        if d is not None:
+                            d.held.append((req.request_id, Reason.HEADROOM))
+                            stop = Reason.HEADROOM
+                        break
+                req.num_computed_tokens = num_hit
+                new_ids = kv.allocate_slots(req, n, hits)
+                if new_ids is None and d is not None:
+                    d.cause = (Cause.PRIORITY, req.request_id)
+                while new_ids is None and self.policy.preempts_running:
+                    victim = self._pick_victim(b, worse_than=req)
+                    if victim is None:
+                        break
+                    self._preempt(victim, b)
+                    new_ids = kv.allocate_slots(req, n, hits)
+                if new_ids is None:
+                    req.num_computed_tokens = 0
+                    waiting.add_front([req])
+                    if d is not None:
+                        d.held.append((req.request_id, Reason.BLOCKS))
+                        stop = Reason.BLOCKS
+                    break
+                self._admit(req, n, num_hit, new_ids, b)
+                if headroom is not None:
+                    headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
+                    if pending is not None and n < remaining:  # the chunks it has yet to compute
+                        whole, first = num_hit + remaining, num_hit + n
+                        pending += kv.blocks_needed(whole) - kv.blocks_needed(first)
+                if group is not None:
+                    reserved = sum(unforked.values())
+        except BaseException:
+            # NOTE: the step fails and is abandoned (``schedule``): the requests this pass
+            # took off the queue and has not placed yet go back to it, none lost.
+            self._put_back(in_hand, skipped)
+            raise
+        if skipped:
+            waiting.add_front(skipped)
+        if d is not None and len(waiting):
+            if stop is None:  # NOTE: the loop's own conditions ended it
+                stop = Reason.BUDGET if b.budget <= 0 else (
+                    Reason.SEATS if len(self.running) + reserved >= cfg.max_num_seqs
+                    else Reason.POLICY_ORDER)
+            d.stop(stop, len(waiting))
+
+    def _put_back(self, in_hand: Request | None, skipped: list[Request]) -> None:
+        """Return to the waiting queue the requests a failing waiting pass held: those it
+        skipped, and the one in hand unless it was placed (admitted, finished, queued)."""
+        back = list(skipped)
+        if (in_hand is not None and in_hand.request_id in self.requests
+                and in_hand.status is not _RUNNING and all(r is not in_hand for r in skipped)
+                and all(r is not in_hand for r in self.waiting)):
+            self.kv.free(in_hand)  # NOTE: blocks it may have got before the failure
+            in_hand.num_computed_tokens = 0
+            back.append(in_hand)
+        if back:
+            self.waiting.add_front(back)
+
+    def _pending_prompt_blocks(self) -> int:
+        """Blocks the running requests still need to finish their prompts (or recompute),
+        beyond those they hold."""
+        kv, requests, pending = self.kv, self.requests, 0
+        for rid in self._prefilling:
+            r = requests[rid]
+            if r.num_computed_tokens < r.prefill_end:
+                pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
+        return pending
+
+    def _admit(
+        self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
+    ) -> None:
+        """Decide to run ``req`` in this step (counted by ``_commit_admissions`` once the
+        passes are done)."""
+        req.status = _RUNNING
+        self.running.append(req)
+        self._prefilling.add(req.request_id)
+        if req.group is not None and not req.group.forked:
+            self._unforked[req.request_id] = req.group.n - 1
+        b.charge(req, n, req.num_tokens - num_hit, block_ids)
+        b.admitted[req.request_id] = num_hit
+
     # -- the decided step ----------------------------------------------------------
 
     def _commit_admissions(self, b: StepBuilder) -> None:
@@ -579,7 +612,8 @@ class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
         tokens to recompute (a readmission), and first scheduled times.
 
         NOTE: after every pass, so an admission given back later in the same step
-        (``_unadmit``) was never counted and has nothing to undo."""
+        (``_unadmit``) was never counted here (the host tier's own load counts excepted,
+        see ``_unadmit``)."""
         st, requests, start = self.stats, self.requests, b.start_time
         for rid, num_hit in b.admitted.items():
             req = requests[rid]
@@ -601,6 +635,9 @@ class Scheduler(RequestLifecycle, StepResults, GroupForking, FastForward):
                 child.first_scheduled_time = start
 
     def _build_output(self, b: StepBuilder) -> SchedulerOutput:
+        """The executor's view of the decided step. Hands over the requests finished since
+        the last step (``_finished_ids`` is emptied) and, with a host tier, the step's loads
+        and stores (``take_transfers``)."""
         requests, scheduled, new_blocks = self.requests, b.scheduled, b.new_blocks
         # NOTE: admitted and forked requests are new to the executor (-> tokens cached).
         admitted = {**b.admitted, **b.forked} if b.forked else b.admitted
