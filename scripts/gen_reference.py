@@ -1,7 +1,8 @@
 """Write the generated reference pages:
 
-- ``docs/reference/cli.md`` from the ``kvloop`` argument parsers: every command's
-  ``--help``, the same on every machine (a fixed width of 100 columns; a CPU count in a
+- ``docs/reference/cli.md`` and ``docs/reference/cli/COMMAND.md`` from the ``kvloop``
+  argument parsers: the commands, then one page per command with its subcommands, each
+  ``--help`` the same on every machine (a fixed width of 100 columns; a CPU count in a
   help text is shown as ``N``);
 - ``docs/reference/config.md`` from the configuration dataclasses (``EngineArgs``,
   ``SchedulerConfig``, ``CacheConfig``): every field with its type, default and docstring,
@@ -29,6 +30,7 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference" / "cli.md"
+CLI_DIR = ROOT / "docs" / "reference" / "cli"
 CONFIG_PAGE = ROOT / "docs" / "reference" / "config.md"
 METRICS_PAGE = ROOT / "docs" / "reference" / "metrics.md"
 CONFIG_SOURCES = [  # (module, dataclass), in the order the page shows them
@@ -42,8 +44,9 @@ _CPU_MARK = 987654  # stands for this machine's CPU count while the parsers are 
 HEADER = """\
 # Command line
 
-Every `kvloop` command and its flags, as `--help` prints them. This page is generated from
-the argument parsers by `python scripts/gen_reference.py`; do not edit it by hand.
+Every `kvloop` command and its flags, as `--help` prints them, one page per command. These
+pages are generated from the argument parsers by `python scripts/gen_reference.py`; do not
+edit them by hand.
 
 Flags named like vLLM's mean what they mean in vLLM. Bad input prints one line,
 `kvloop: error: ...`, and exits with code 2. Flags are never abbreviated.
@@ -62,20 +65,35 @@ def _subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentP
                     yield from _subcommands(sub)
 
 
-def render() -> str:
-    """The page's text."""
+def _help_block(prog: str, text: str) -> list[str]:
+    return [f"## {prog}", "", "```text", text.replace(str(_CPU_MARK), "N").rstrip(), "```", ""]
+
+
+def render_cli() -> dict[Path, str]:
+    """The command-line pages: the index (``kvloop --help`` and the commands) and one page
+    per command, its subcommands after it."""
     with mock.patch.dict(os.environ, {"COLUMNS": WIDTH, "LINES": "50"}), \
             mock.patch("os.cpu_count", return_value=_CPU_MARK):
         from kvloop.cli.main import build_parser
 
         parsers = list(_subcommands(build_parser()))
         helps = [(p.prog, p.format_help()) for p in parsers]
-    toc = [f"- [`{prog}`](#{prog.replace(' ', '-')})" for prog, _ in helps]
-    parts = [HEADER, "\n".join(toc), ""]
-    for prog, text in helps:
-        text = text.replace(str(_CPU_MARK), "N").rstrip()
-        parts += [f"## {prog}", "", "```text", text, "```", ""]
-    return "\n".join(parts)
+    root, *commands = helps
+    by_command: dict[str, list[tuple[str, str]]] = {}
+    for prog, text in commands:
+        by_command.setdefault(prog.split()[1], []).append((prog, text))
+    toc = [f"- [`kvloop {name}`](cli/{name}.md)" + (
+        " (" + ", ".join(f"`{p}`" for p, _ in progs[1:]) + ")" if len(progs) > 1 else "")
+        for name, progs in by_command.items()]
+    out = {PAGE: "\n".join([HEADER, "\n".join(toc), "", *_help_block(*root)])}
+    for name, progs in by_command.items():
+        parts = [f"# kvloop {name}", "",
+                 "Generated from the argument parsers by `python scripts/gen_reference.py`; "
+                 "the other commands: [command line](../cli.md).", ""]
+        for prog, text in progs:
+            parts += _help_block(prog, text)
+        out[CLI_DIR / f"{name}.md"] = "\n".join(parts)
+    return out
 
 
 CONFIG_HEADER = """\
@@ -194,7 +212,13 @@ def render_metrics() -> str:
 
 def pages() -> dict[Path, str]:
     """Each generated page and its text."""
-    return {PAGE: render(), CONFIG_PAGE: render_config(), METRICS_PAGE: render_metrics()}
+    return {**render_cli(), CONFIG_PAGE: render_config(), METRICS_PAGE: render_metrics()}
+
+
+def stray_pages() -> list[Path]:
+    """Pages in the generated command folder that no command writes any more."""
+    made = set(render_cli())
+    return sorted(p for p in CLI_DIR.glob("*.md") if p not in made) if CLI_DIR.is_dir() else []
 
 
 def main() -> int:
@@ -203,6 +227,13 @@ def main() -> int:
                     help="exit 1 when a checked-in page differs from what the code says")
     args = ap.parse_args()
     stale = 0
+    for page in stray_pages():
+        if args.check:
+            print(f"{page.relative_to(ROOT)} is no command's page: delete it", file=sys.stderr)
+            stale += 1
+        else:
+            page.unlink()
+            print(f"removed {page.relative_to(ROOT)}")
     for page, text in pages().items():
         name = page.relative_to(ROOT)
         if args.check:
@@ -211,6 +242,7 @@ def main() -> int:
                       file=sys.stderr)
                 stale += 1
         else:
+            page.parent.mkdir(parents=True, exist_ok=True)
             page.write_text(text)
             print(f"wrote {name}")
     return 1 if stale else 0
