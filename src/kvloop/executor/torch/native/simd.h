@@ -99,7 +99,7 @@ inline void store_bf16(uint16_t* p, V16 v) {
 }
 
 // x rounded to the nearest integer (ties to even); p * 2^n for integral n.
-inline V16 vround(V16 x) {
+inline V16 vnearest(V16 x) {
   return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 inline V16 vscale2(V16 p, V16 n) { return _mm512_scalef_ps(p, n); }
@@ -210,10 +210,10 @@ inline void store_bf16(uint16_t* p, V16 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
 }
 
-inline __m256 round8(__m256 x) {
+inline __m256 nearest8(__m256 x) {
   return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-inline V16 vround(V16 x) { return {round8(x.lo), round8(x.hi)}; }
+inline V16 vnearest(V16 x) { return {nearest8(x.lo), nearest8(x.hi)}; }
 // NOTE: n in -126..127 (exp16's clamp): 2^n built in the exponent field is exact (scalef's
 // job on AVX-512). A NaN p stays NaN in the product.
 inline __m256 scale8(__m256 p, __m256 n) {
@@ -233,7 +233,7 @@ inline V16 vselect_le(V16 a, V16 b, V16 x, V16 y) {
 inline V16 exp16(V16 x) {
   // NOTE: max/min return their second operand when one is NaN: x second keeps a NaN.
   x = vmin(vset1(88.0f), vmax(vset1(-87.0f), x));
-  const V16 n = vround(vmul(x, vset1(1.44269504088896341f)));
+  const V16 n = vnearest(vmul(x, vset1(1.44269504088896341f)));
   V16 r = vfnmadd(n, vset1(0.693145751953125f), x);
   r = vfnmadd(n, vset1(1.428606765330187e-06f), r);
   // exp(r) on |r| <= ln2/2: Taylor to degree 7.
