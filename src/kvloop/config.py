@@ -70,7 +70,7 @@ class SchedulerConfig:
     predictor_tau: float = 0.5
     """Kendall's tau the ``noisy`` predictor aims at, in [0, 1]."""
     cost_aware_preemption: bool = True
-    """Save the work preemption throws away (``kvloop.core.scheduler``): admission keeps
+    """Save the work preemption throws away (``kvloop.core.preemption``): admission keeps
     free blocks for the running requests' unfinished prompts and their next 64 tokens each,
     and admits a prompt only if all of it fits beside them; a request waits a step when
     one finishing in it frees the blocks it lacks; victims preempted ``max_preemptions``

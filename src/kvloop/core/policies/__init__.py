@@ -11,7 +11,7 @@
 - ``balanced``: ``slo``'s deadlines, shorter predicted work first among near deadlines,
   within ``fair``'s shares.
 
-Every policy shares cost-aware preemption (``kvloop.core.scheduler``).
+Every policy shares cost-aware preemption (``kvloop.core.preemption``).
 """
 
 from __future__ import annotations
