@@ -111,13 +111,20 @@ def test_one_token_prefill_chunks_reach_the_prefix_cache():
     assert len(s.kv.get_computed_blocks(again)) == 2  # (9 - 1) // 4 full blocks
 
 
-def test_prefill_first_gives_back_an_admission_instead_of_preempting_it():
+def _a_decodes_at_a_block_boundary():
+    """prefill-first, 4 blocks of 4 tokens: "a" (4 prompt tokens) ran its prefill and its
+    next decode needs a new block."""
     s = make_scheduler(block_size=4, num_gpu_blocks=4, scheduling_order="prefill-first",
                        max_num_batched_tokens=64)
     ex = FakeExecutor()
     s.add_request(req("a", 4, 10))
     out = s.schedule()
-    s.update_from_output(out, ex.execute(out))  # a decodes next, at a block boundary
+    s.update_from_output(out, ex.execute(out))
+    return s, ex
+
+
+def test_prefill_first_gives_back_an_admission_instead_of_preempting_it():
+    s, ex = _a_decodes_at_a_block_boundary()
     b = req("b", 12, 1)
     s.add_request(b)  # admitted first (prefill-first), taking the last three blocks
     out = s.schedule()
@@ -131,12 +138,7 @@ def test_prefill_first_gives_back_an_admission_instead_of_preempting_it():
 
 
 def test_a_readmission_given_back_counts_no_recompute_until_it_runs():
-    s = make_scheduler(block_size=4, num_gpu_blocks=4, scheduling_order="prefill-first",
-                       max_num_batched_tokens=64)
-    ex = FakeExecutor()
-    s.add_request(req("a", 4, 10))
-    out = s.schedule()
-    s.update_from_output(out, ex.execute(out))  # a decodes next, at a block boundary
+    s, ex = _a_decodes_at_a_block_boundary()
     b = req("b", 12, 1)
     s.add_request(b)
     b.num_preemptions, b.status = 1, b.status.PREEMPTED  # as if preempted before

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvloop.core.stats import StepRecord, StepRecorder
+from kvloop.server.page_headers import SECURITY_HEADERS
 
 MAX_UPDATES_PER_S = 10
 """Most server-sent events a dashboard gets a second."""
@@ -43,14 +44,6 @@ KEEPALIVE_S = 15.0
 """Seconds without steps after which an event comment keeps the connection open."""
 PROMPTS_KEPT = 256
 """Prompt texts remembered for the dashboard (``--dashboard-show-prompts``)."""
-SECURITY_HEADERS: dict[str, str] = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
-                               "style-src 'self'; script-src 'self'; object-src 'none'; "
-                               "base-uri 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Cache-Control": "no-store",
-}
-"""Headers of the dashboard's answers: only the page's own files run."""
 
 
 class LiveRecorder(StepRecorder):

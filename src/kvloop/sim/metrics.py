@@ -173,6 +173,8 @@ def summarize_requests(
     itl: list[float] = []
     e2e: list[float] = []
     queue: list[float] = []
+    runs_of: dict[str, tuple[StepTimeline, list[tuple[int, int]]]] = {}
+    """Request id -> its timeline and runs of steps, where known (QoE reads them too)."""
     spans: dict[int, tuple[StepTimeline, list[tuple[int, int]]]] = {}
     """Per timeline, the runs of consecutive steps requests got tokens in: the
     inter-token latencies inside them are that timeline's gaps."""
@@ -207,6 +209,7 @@ def summarize_requests(
             if runs is None:
                 itl.extend(map(sub, times[1:], times))  # map stops at the shorter
             else:
+                runs_of[req.request_id] = (line, runs)
                 spans.setdefault(id(line), (line, []))[1].extend(runs)
                 if len(runs) > 1:
                     itl.extend(line.jumps(runs))
@@ -245,7 +248,7 @@ def summarize_requests(
     for row in tenants.values():
         row["goodput"] = rate(row.pop("good"))
     summary["slo_attainment"] = slo_attainment(requests, slo_ttft, slo_tpot)
-    summary["qoe"] = qoe_summary(requests, slo_ttft, slo_tpot, timelines)
+    summary["qoe"] = qoe_summary(requests, slo_ttft, slo_tpot, runs_of)
     summary["vtc"] = None
     if tenants:
         vtc = vtc_gap(requests, window_s=window_s, weights=service_weights,

@@ -140,12 +140,17 @@ def qoe(token_times: Sequence[float], arrival: float, ttft: float, tds: float,
     return got / (step * n * (n + 1) / 2)
 
 
+StepRuns = Mapping[str, tuple[StepTimeline, Sequence[tuple[int, int]]]]
+"""Request id -> its replica's step timeline and its token times as runs of steps
+(``StepTimeline.runs``), for requests where they are known."""
+
+
 def qoe_summary(requests: Sequence[Any], slo_ttft: float | None, slo_tpot: float | None,
-                timelines: Mapping[str, StepTimeline] | None = None) -> dict[str, Any]:
+                runs: StepRuns | None = None) -> dict[str, Any]:
     """Mean and 10th percentile (nearest rank) of QoE over completed, rejected and failed
     requests; the expected TTFT and pace are each request's targets, else the given ones,
-    else ``DEFAULT_TTFT`` and ``DEFAULT_TDS``. Also returns the defaults used.
-    ``timelines``: as ``summarize_requests`` takes them."""
+    else ``DEFAULT_TTFT`` and ``DEFAULT_TDS``. Also returns the defaults used. ``runs``
+    lets a request's QoE be summed over runs of steps (``qoe``'s pieces)."""
     ttft_default = slo_ttft if slo_ttft is not None else DEFAULT_TTFT
     tds_default = 1.0 / slo_tpot if slo_tpot is not None else DEFAULT_TDS
     values: list[float] = []
@@ -158,8 +163,7 @@ def qoe_summary(requests: Sequence[Any], slo_ttft: float | None, slo_tpot: float
             times = req.token_times or [_first(req)]
             values.append(qoe(times, req.arrival_time, _target(req, "slo_ttft", ttft_default),
                               1.0 / tpot if tpot is not None else tds_default,
-                              _pieces(times, timelines.get(req.request_id)
-                                      if timelines else None)))
+                              _pieces(runs.get(req.request_id) if runs else None)))
     values.sort()
     return {
         "mean": sum(values) / len(values) if values else None,
@@ -169,13 +173,10 @@ def qoe_summary(requests: Sequence[Any], slo_ttft: float | None, slo_tpot: float
     }
 
 
-def _pieces(times: Sequence[float],
-            line: StepTimeline | None) -> list[tuple[int, float]] | None:
-    """``qoe``'s pieces of ``times`` when ``line`` tells them without reading every time."""
-    if line is None:
-        return None
-    runs = line.runs(times)
-    return None if runs is None else line.pieces(runs)
+def _pieces(known: tuple[StepTimeline, Sequence[tuple[int, int]]] | None
+            ) -> list[tuple[int, float]] | None:
+    """``qoe``'s pieces of a request whose runs of steps are ``known``."""
+    return None if known is None else known[0].pieces(known[1])
 
 
 def backlogged_intervals(requests: Sequence[Any], end: float) -> dict[str, list[list[float]]]:

@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from kvloop.core.stats import StepRecord
-from kvloop.viz.web.assets import SECURITY_HEADERS, asset, page
+from kvloop.server.page_headers import SECURITY_HEADERS
+from kvloop.viz.web.assets import asset, page
 from kvloop.viz.web.payload import trace_payload
 
 

@@ -15,15 +15,6 @@ MODES = ("trace", "live")
 """``trace``: the page fetches ``trace.json`` once; ``live``: it listens to
 ``dashboard/events`` (server-sent events)."""
 
-SECURITY_HEADERS: dict[str, str] = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
-                               "style-src 'self'; script-src 'self'; object-src 'none'; "
-                               "base-uri 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Cache-Control": "no-store",
-}
-"""Headers for every answer of the page's server: only the page's own files run."""
-
 
 @cache
 def _read(name: str) -> bytes:
