@@ -1,7 +1,8 @@
 """The checks of a request's own fields (priority, cache salt, tenant, SLO targets) and the
 KV blocks a request needs: one definition, used by the engine's gate
 (``engine.intake.validate_request``, which also checks the prompt and the sampling
-parameters) and by ``core.Request`` for requests built directly (the simulator, tests).
+parameters; ``core.Request`` takes what passed it and checks nothing again) and by the
+scheduler's never-fits test.
 
 Each check raises ``InvalidRequestError`` (a ``ValueError``) naming the field. Stdlib only:
 every layer may use it.

@@ -20,21 +20,22 @@ def rids(requests):
 
 # -- Request -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt", [[], range(0), ()])
-def test_request_rejects_empty_prompt(prompt):
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        Request("r", prompt)
+def test_the_gate_refuses_an_empty_prompt(prompt):
+    from kvloop.engine.intake import EngineLimits, validate_request
+    from kvloop.errors import InvalidRequestError
 
-
-@pytest.mark.parametrize("rid", ["", None, 7, b"r"])
-def test_request_rejects_bad_id(rid):
-    with pytest.raises(ValueError, match="request_id"):
-        Request(rid, [1, 2])
+    limits = EngineLimits(max_model_len=64, kv_cache_tokens=1024, block_size=16)
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        validate_request(prompt, None, limits)
 
 
 @pytest.mark.parametrize("priority", [1.5, True, 2**63, -(2**63) - 1, 10**400])
-def test_request_rejects_priority_outside_64_bits(priority):
+def test_the_gate_refuses_priority_outside_64_bits(priority):
+    from kvloop.engine.intake import EngineLimits, validate_request
+
+    limits = EngineLimits(max_model_len=64, kv_cache_tokens=1024, block_size=16)
     with pytest.raises(ValueError, match="priority"):
-        Request("r", [1], priority=priority)
+        validate_request([1], None, limits, priority=priority)
 
 
 @pytest.mark.parametrize("priority", [2**63 - 1, -(2**63)])

@@ -186,3 +186,12 @@ def test_stats_is_a_snapshot():
     final = e.stats()
     assert final.num_unfinished == 0 and final.kv_usage == 0.0
     assert final.scheduler.finished_by_reason and not after.scheduler.finished_by_reason
+
+
+@pytest.mark.parametrize("rid", ["", 7, b"r"])
+def test_a_bad_request_id_is_refused_and_leaves_nothing(rid: object) -> None:
+    e = _engine()
+    with pytest.raises(InvalidRequestError, match="request_id") as info:
+        e.add_request(rid, [1, 2], _params())  # type: ignore[arg-type]
+    assert info.value.field == "request_id"
+    assert not e.has_unfinished_requests() and e.scheduler.kv.num_used_blocks == 0

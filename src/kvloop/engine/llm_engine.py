@@ -225,6 +225,8 @@ class LLMEngine:
             vreq = self.validate(prompt, params, priority=priority, cache_salt=cache_salt,
                                  tenant=tenant, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
         rid = request_id if request_id is not None else self.new_request_id()
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("request_id", "request_id must be a non-empty string")
         if rid in self._tracked:
             raise InvalidRequestError("request_id", f"request_id {rid!r} is already in use")
         params = vreq.params
