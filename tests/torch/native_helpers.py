@@ -1,7 +1,7 @@
 """Shared by the tests of kvloop's own CPU kernels (``executor.torch.native``) in
 ``test_native_gemm``, ``test_native_attention`` and ``test_native_layer_ops``: importing this
 module skips the importing test module where the kernels do not run; ``KERNELS`` (the built
-kernels: the full build, or the AVX2 one on CPUs without AVX-512 VNNI), ``BF16``,
+kernels: the full build, or the AVX2 one on CPUs without AVX-512 VNNI), ``OPS``, ``BF16``,
 ``q8_args``, the arguments of a ``q8_linear`` call that runs, and
 ``LogitRecorder``, to compare two runs' logits step by step.
 
@@ -22,6 +22,8 @@ if _REASON is not None:
     pytest.skip(f"kvloop's CPU kernels do not run here: {_REASON}", allow_module_level=True)
 
 KERNELS = native.kernels()
+OPS = torch.ops.kvloop
+"""The kernels that are torch operators (``native.OPS``), loaded with ``KERNELS``."""
 BF16 = torch.bfloat16
 
 

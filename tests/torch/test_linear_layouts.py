@@ -235,12 +235,12 @@ def test_the_load_line_names_whose_kernels_run(llama_model) -> None:
     assert note.startswith("kvloop's CPU kernels: ") and "decode_attention" in note
     assert ("f32_linear" in note) == native.f32_preferred()
     assert "prefill_attention" in note
-    assert ("rms_norm" in note) == f32.model.fused_ops
+    assert ("rms_norm" in note) == f32.model.layer_ops.fused
     assert ("DecodeLayers" in note) == (f32.model.decode_layers is not None)
     bf16 = make_runner(llama_model, dtype="bfloat16")
     note = bf16.kernels_note
     assert note.startswith("kvloop's CPU kernels: ") and "decode_attention" in note
-    assert ("rms_norm" in note) == bf16.model.fused_ops
+    assert ("rms_norm" in note) == bf16.model.layer_ops.fused
     assert ("bf16_linear" in note) == native.bf16_supported()
     assert ("bf16_linear with AMX from" in note) == (
         native.bf16_supported() and "bf16_linear" in native.amx_rows())

@@ -278,7 +278,7 @@ def test_rope_tables_grow_to_the_same_bits(tiny: TinyModel, device: str, dtype: 
         cos, sin = model.rope(positions, top)
         sizes.append(model._rope_cos.shape[0])
         want_cos, want_sin = direct(positions)
-        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert sizes == [256, 512, 512, 1024, 3000]
 
 
@@ -435,7 +435,7 @@ def test_config_parsing_transformers4_layout() -> None:
 def test_half_rms_norm_is_transformers_bit_for_bit(dtype: str) -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from kvloop.executor.torch.models.llama import rms_norm
+    from kvloop.executor.torch.layer_ops import rms_norm
 
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(3)

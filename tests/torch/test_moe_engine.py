@@ -18,6 +18,7 @@ from conftest import (  # noqa: E402
     prompts_of,
     qwen3_moe_config,
 )
+from kvloop.executor.torch.layer_ops import TORCH_OPS  # noqa: E402
 from kvloop.executor.torch.models import ModelConfig  # noqa: E402
 
 CONFIGS = {"mixtral": mixtral_config, "qwen3_moe": qwen3_moe_config}
@@ -44,7 +45,7 @@ def test_greedy_tokens_match_transformers(moe_model, fused: bool) -> None:
     assert any(layer.moe is not None for layer in model.layers)
     assert model.decode_layers is None  # the one-call step has no experts
     if not fused:
-        model.fused_ops = False
+        model.layer_ops = TORCH_OPS
     prompts = prompts_of([5, 30, 11, 3], moe_model.vocab_size, seed=4)
     reqs, _ = drive(runner, prompts, 10, arrive_at=[0, 0, 2, 5])
     assert_matches(moe_model, reqs, 10)

@@ -20,7 +20,7 @@ from conftest import drive
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS, LogitRecorder  # noqa: E402
+from native_helpers import BF16, KERNELS, OPS, LogitRecorder  # noqa: E402
 
 from kvloop.executor.torch.attention import build_metadata, paged_attention  # noqa: E402
 from kvloop.executor.torch.linear import Int8Linear  # noqa: E402
@@ -206,19 +206,20 @@ def _attention_args(**change: object) -> dict[str, object]:
         "head-size-144", "heads", "cache-dims", "out-size", "float16"])
 def test_decode_attention_refuses_bad_input(change: dict[str, object], message: str) -> None:
     args = _attention_args()
-    KERNELS.decode_attention(**args)  # the unchanged arguments run
+    OPS.decode_attention(**args)  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.decode_attention(**_attention_args(**change))
+        OPS.decode_attention(**_attention_args(**change))
 
 
 def _in_subprocess(call: str) -> subprocess.CompletedProcess[str]:
-    """Run ``call`` (Python on ``torch`` and ``k``, the built kernels) in a fresh interpreter,
-    so that a call which crashes does not take pytest down with it."""
+    """Run ``call`` (Python on ``torch`` and ``k``, the built kernels' operators) in a fresh
+    interpreter, so that a call which crashes does not take pytest down with it."""
     code = (
         "import importlib.util\nimport torch\n"
         f"spec = importlib.util.spec_from_file_location({KERNELS.__name__!r}, "
         f"{KERNELS.__file__!r})\n"
-        "k = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(k)\n" + call
+        "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
+        "k = torch.ops.kvloop\n" + call
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS, LogitRecorder  # noqa: E402
+from native_helpers import BF16, KERNELS, OPS, LogitRecorder  # noqa: E402
 
 from conftest import (  # noqa: E402
     assert_matches,
@@ -126,7 +126,7 @@ def test_float32_through_the_stack_keeps_transformers_greedy_tokens(
     monkeypatch.setattr(native, "f32_preferred", lambda: f32_kernel)
     runner = make_runner(shaped, dtype="float32", block_size=16)
     runner.model.adopt_moved_weights(wait=True)  # NOTE: no move replaces the counter midway
-    assert runner.model.fused_ops
+    assert runner.model.layer_ops.fused
     assert (runner.model.decode_layers is not None) is f32_kernel
     counting = Counting(runner.model.decode_layers) if f32_kernel else None
     if counting is not None:
@@ -258,7 +258,7 @@ def test_decode_layers_refuses_bad_calls() -> None:
     # 16) forks and joins, giving what it gives row by row (one thread each).
     rows, weight = torch.randn(64, 64).to(BF16), torch.rand(64).to(BF16)
     out, by_row = torch.empty_like(rows), torch.empty_like(rows)
-    KERNELS.rms_norm(rows, weight, 1e-5, out)
+    OPS.rms_norm(rows, weight, 1e-5, out)
     for r in range(64):
-        KERNELS.rms_norm(rows[r:r + 1], weight, 1e-5, by_row[r:r + 1])
+        OPS.rms_norm(rows[r:r + 1], weight, 1e-5, by_row[r:r + 1])
     assert torch.equal(out, by_row)

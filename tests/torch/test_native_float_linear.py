@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS  # noqa: E402
+from native_helpers import BF16, KERNELS, OPS  # noqa: E402
 
 from kvloop.executor.torch import native  # noqa: E402
 from kvloop.executor.torch.linear import (  # noqa: E402
@@ -225,7 +225,7 @@ def test_bf16_linear_refuses_bad_input(change: dict[str, object], message: str) 
     if not native.bf16_supported():
         pytest.skip("bf16_linear does not run here")
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.bf16_linear(**_args(BF16, **change))
+        OPS.bf16_linear(**_args(BF16, **change))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -239,7 +239,7 @@ def test_bf16_linear_refuses_bad_input(change: dict[str, object], message: str) 
 ])
 def test_f32_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.f32_linear(**_args(F32, **change))
+        OPS.f32_linear(**_args(F32, **change))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -258,8 +258,8 @@ def test_float_linear_refuses_aliased_output(kind: type) -> None:
     x = torch.randn(1, 64, generator=gen).to(kind.dtype)
     flat = lin.packed.view(-1)
     with pytest.raises(RuntimeError, match="single memory location"):
-        getattr(KERNELS, name)(x, lin.packed, None, flat[:64].view(1, 64), False)
+        getattr(OPS, name)(x, lin.packed, None, flat[:64].view(1, 64), False)
     bias = torch.zeros(64)
     if kind.dtype == torch.float32:  # NOTE: a float32 out can be the float32 bias itself
         with pytest.raises(RuntimeError, match="single memory location"):
-            getattr(KERNELS, name)(x, lin.packed, bias, bias.view(1, 64), False)
+            getattr(OPS, name)(x, lin.packed, bias, bias.view(1, 64), False)

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS, q8_args  # noqa: E402
+from native_helpers import BF16, KERNELS, OPS, q8_args  # noqa: E402
 
 from kvloop.executor.torch import native  # noqa: E402
 from kvloop.executor.torch.linear import (  # noqa: E402
@@ -406,9 +406,9 @@ def _q4_args(m: int = 2, n: int = 32, k: int = 64, **change: object) -> dict[str
 ], ids=["k-48", "n-24", "m-out", "packed-size", "scales-dtype", "mins-float32", "out-dtype",
         "bias-dtype", "bias-size", "float16", "strided-x"])
 def test_q4_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    KERNELS.q4_linear(**_q4_args())  # the unchanged arguments run
+    OPS.q4_linear(**_q4_args())  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.q4_linear(**_q4_args(**change))
+        OPS.q4_linear(**_q4_args(**change))
 
 
 @pytest.mark.parametrize("name", ["packed", "scales", "mins", "bias"])
@@ -420,7 +420,7 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
         "bias": torch.arange(64.0)[::2],
     }[name]
     with pytest.raises(RuntimeError):
-        KERNELS.q4_linear(**_q4_args(**{name: strided}))
+        OPS.q4_linear(**_q4_args(**{name: strided}))
 
 
 
@@ -449,9 +449,9 @@ def test_q4_linear_refuses_strided_weights(name: str) -> None:
         "bias-dtype", "bias-size", "strided-bias", "float16", "strided-x", "strided-out",
         "x-3d"])
 def test_q8_linear_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    KERNELS.q8_linear(**q8_args())  # the unchanged arguments run
+    OPS.q8_linear(**q8_args())  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.q8_linear(**q8_args(**change))
+        OPS.q8_linear(**q8_args(**change))
 
 
 # -- a non-finite value never becomes a finite answer ---------------------------------------

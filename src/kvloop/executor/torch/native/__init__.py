@@ -27,6 +27,10 @@ beyond the stock GEMMs (``docs/native-kernels.md``), so kvloop ships its own:
 - ``argmax_rows``: each float32 logits row's argmax as a list (numpy's and torch's ties and
   NaNs), the sampler's pick where every row of a step is plain greedy.
 
+The kernels a layer calls are torch operators (:data:`OPS`, ``torch.ops.kvloop.<name>``,
+with fake implementations for ``torch.compile``); ``argmax_rows`` and ``DecodeLayers`` (a
+decode step's layers in one call) are plain bindings of the module :func:`kernels` returns.
+
 On CPUs with AVX2 but without AVX-512 VNNI, a second build (:data:`AVX2`) holds the same
 kernels: the GEMMs of ``avx2_gemm.cpp`` (same layouts; the integer ones give the same bits)
 and the float kernels over ``simd.h``'s AVX2 vector type.
@@ -50,6 +54,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -154,10 +159,31 @@ def kernels() -> ModuleType | None:
         log.log(level, "kvloop's CPU kernels are off (%s): using torch's kernels", reason)
         return None
     try:
-        return _build_and_load(build_for_cpu() or FULL)
+        module = _build_and_load(build_for_cpu() or FULL)
     except Exception as exc:  # NOTE: any failure (compiler, cache dir) falls back to torch's
         log.warning("kvloop's CPU kernels are off (%s): using torch's kernels", exc)
         return None
+    for name in OPS:
+        # NOTE: every operator writes only into its arguments (its schema's ``(a!)``): its
+        # shape function has nothing to compute.
+        torch.library.register_fake(f"kvloop::{name}")(_writes_only)
+        _OVERLOADS[name] = getattr(torch.ops.kvloop, name).default
+    return module
+
+
+OPS = ("q4_linear", "q8_linear", "bf16_linear", "f32_linear", "decode_attention",
+       "prefill_attention", "rms_norm", "rope_write_kv", "silu_mul")
+"""The kernels that are torch operators, ``torch.ops.kvloop.<name>`` (``module.cpp``'s
+``TORCH_LIBRARY``), once :func:`kernels` has loaded them."""
+
+
+_OVERLOADS: dict[str, Callable[..., None]] = {}
+"""Each operator of :data:`OPS` by name, looked up once (:func:`call`)."""
+
+
+def _writes_only(*args: object, **kwargs: object) -> None:
+    """The fake (shape) implementation of every operator of :data:`OPS`: none returns a
+    tensor."""
 
 
 def build_tag(build_spec: Build) -> str:
@@ -286,16 +312,9 @@ def _import(path: Path, name: str) -> ModuleType:
 
 
 def call(name: str, *args: object) -> None:
-    """Run kernel ``name`` of :func:`kernels` (which must have built) on ``args``; under
-    torch's profiler it shows as an op named ``kvloop::<name>``."""
-    fn = getattr(kernels(), name)
-    # NOTE: a pybind call is invisible to the profiler (it would count as host time); the
-    # range is opened only while a profiler runs, as it costs a few µs per call.
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function(f"kvloop::{name}"):
-            fn(*args)
-    else:
-        fn(*args)
+    """Run operator ``name`` of :data:`OPS` (:func:`kernels` must have built) on ``args``;
+    torch's profiler shows it as ``kvloop::<name>``."""
+    _OVERLOADS[name](*args)
 
 
 def _ninja_on_path() -> None:

@@ -8,33 +8,11 @@
 static const auto kFree = py::call_guard<py::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "out (+)= x @ W.T (+ bias), W in 4 bits", kFree,
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("mins"), py::arg("bias"),
-        py::arg("out"), py::arg("accumulate"));
-  m.def("q8_linear", &q8_linear, "out (+)= x @ W.T (+ bias), W in 8 bits", kFree,
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("bias"),
-        py::arg("out"), py::arg("accumulate"));
-  m.def("bf16_linear", &bf16_linear, "out (+)= x @ W.T (+ bias), W and x in bfloat16", kFree,
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));
-  m.def("f32_linear", &f32_linear, "out (+)= x @ W.T (+ bias), W and x in float32", kFree,
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("accumulate"));
   m.def("bf16_available", &bf16_available, "whether bf16_linear runs here");
   m.def("amx_available", &amx_available,
         "whether bf16_linear and q4_linear multiply with AMX here");
   m.attr("AMX_ROWS") = kAmxRows;
   m.attr("AMX_Q4_ROWS") = kAmxQ4Rows;
-  m.def("decode_attention", &decode_attention, "one-token attention over paged KV in place",
-        kFree, py::arg("q"), py::arg("cache"), py::arg("block_table"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("out"));
-  m.def("prefill_attention", &prefill_attention,
-        "causal attention of prefill chunks over paged KV in place", kFree, py::arg("q"),
-        py::arg("cache"), py::arg("block_table"), py::arg("starts"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("out"));
-  m.def("rms_norm", &rms_norm, "transformers' RMSNorm, fused", kFree, py::arg("x"),
-        py::arg("weight"), py::arg("eps"), py::arg("out"));
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, k and v into the cache",
-        kFree, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("cache"),
-        py::arg("slots"), py::arg("num_heads"), py::arg("num_kv_heads"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<std::vector<at::Tensor>>, std::vector<std::optional<at::Tensor>>,
@@ -54,5 +32,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly_static("F32", &DecodeLayers::kF32);
   m.def("argmax_rows", &argmax_rows, "each row's argmax over its first columns (a list)",
         kFree, py::arg("logits"), py::arg("columns"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up", kFree, py::arg("gate_up"), py::arg("out"));
+}
+
+// The kernels a model's layers call, as torch operators ``torch.ops.kvloop.<name>``: the
+// schema says which arguments each one writes (``(a!)``), so torch.compile and the profiler
+// see them as ops (their shape functions, which write nothing, are registered in Python).
+// NOTE: torch releases the GIL while an operator runs, as kFree does for the bindings above.
+TORCH_LIBRARY(kvloop, m) {
+  m.def("q4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias, "
+        "Tensor(a!) out, bool accumulate) -> ()");
+  m.def("q8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias, Tensor(a!) out, "
+        "bool accumulate) -> ()");
+  m.def("bf16_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, "
+        "bool accumulate) -> ()");
+  m.def("f32_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, "
+        "bool accumulate) -> ()");
+  m.def("decode_attention(Tensor q, Tensor cache, Tensor block_table, Tensor context_lens, "
+        "float scale, Tensor(a!) out) -> ()");
+  m.def("prefill_attention(Tensor q, Tensor cache, Tensor block_table, Tensor starts, "
+        "Tensor context_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def("rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) cache, "
+        "Tensor slots, int num_heads, int num_kv_heads) -> ()");
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvloop, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("f32_linear", &f32_linear);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("silu_mul", &silu_mul);
 }
