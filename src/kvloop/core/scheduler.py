@@ -25,8 +25,8 @@ the device, which the passes share, is ``kvloop.core.preemption``):
    while seats, budget and blocks allow, never in a step that preempted.
 4. The waiting pass (``_schedule_waiting``): waiting requests in policy order, each with its
    prefix-cache hits, a chunk of its prompt, and room kept for the running requests'
-   growth and unfinished prompts (cost-aware admission); ``_admit`` records each
-   admission.
+   growth and unfinished prompts (cost-aware admission, ``kvloop.core.admission_room``);
+   ``_admit`` records each admission, ``_hold`` puts back a request that must wait.
 5. The decided step: ``_commit_admissions`` counts the admissions that stayed (prefix
    lookups, recomputed tokens, first scheduled times) and ``_build_output`` hands the
    executor what to run. ``update_from_output`` (``kvloop.core.results``) then applies the
@@ -41,9 +41,10 @@ The request's life outside the step (arrival, abort, a failed step, the invarian
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvloop.config import CacheConfig, SchedulerConfig
+from kvloop.core.admission_room import AdmissionRoom
 from kvloop.core.decisions import Cause, Decisions, Reason
 from kvloop.core.fast_forward import FastForward
 from kvloop.core.group import GroupForking
@@ -54,7 +55,6 @@ from kvloop.core.policies import make_policy
 from kvloop.core.preemption import Preemption
 from kvloop.core.request import Request, RequestStatus
 from kvloop.core.results import StepResults
-from kvloop.core.state import HEADROOM_TOKENS
 from kvloop.core.stats import SchedulerStats, StepRecorder
 from kvloop.core.step import StepBuilder
 
@@ -278,27 +278,11 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
                                  len(waiting))
             return
         d = b.decisions
-        stop: Reason | None = None  # NOTE: set only while recording (``d``)
+        stop: Reason | None = None  # NOTE: what ended the pass, for ``d``
         cfg, kv = self.config, self.kv
         skipped: list[Request] = []
         reject = self.policy.reject
-        # NOTE: cost-aware admission keeps free blocks for the running requests' next
-        # HEADROOM_TOKENS tokens each (fewer if max_tokens ends them sooner): admitting into
-        # the last free blocks only forces a preemption, and a recompute, a few steps
-        # later.
-        # NOTE: it starts as the bound HEADROOM_TOKENS per running request (O(1)) and is
-        # summed exactly over the running requests only when that bound would hold a
-        # request back, so a roomy pool pays nothing per running request.
-        # NOTE: a prompt's later chunks are certain growth, not a guess: a request is
-        # admitted only if its whole prompt fits beside the rest of the running prompts
-        # (``pending``) and the headroom. Admitted on its first chunk alone, a long prompt
-        # later takes the last free blocks and the next one to grow preempts it (or it
-        # preempts the decodes), throwing away thousands of computed tokens.
-        # tokens of growth kept free for the running requests (None: none kept, vLLM's
-        # rules; 0: nothing running yet, so nothing to keep)
-        headroom = len(self.running) * HEADROOM_TOKENS if cfg.cost_aware_preemption else None
-        exact = False
-        pending: int | None = None  # blocks the running prompts still need (once counted)
+        room = AdmissionRoom(self) if cfg.cost_aware_preemption else None
         preempts = self.policy.preempts_running
         unforked = self._unforked
         reserved = sum(unforked.values()) if unforked else 0
@@ -320,10 +304,7 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
                     continue
                 group = req.group if req.group is not None and not req.group.forked else None
                 if group is not None and len(self.running) + reserved + group.n > cfg.max_num_seqs:
-                    waiting.add_front([req])  # NOTE: a group is admitted as one unit
-                    if d is not None:
-                        d.held.append((req.request_id, Reason.SEATS))
-                        stop = Reason.SEATS
+                    stop = self._hold(req, Reason.SEATS, b)  # NOTE: a group is one unit
                     break
                 hits = kv.get_computed_blocks(req)
                 num_hit = len(hits) * kv.block_size
@@ -336,43 +317,27 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
                     remaining = req.num_prompt_tokens - 1 - num_hit
                     if remaining == 0:  # a one-token prompt: every sequence computes it now
                         if not self._admit_and_fork(req, b):
-                            waiting.add_front([req])
-                            if d is not None:
-                                d.held.append((req.request_id, Reason.BLOCKS))
-                                stop = Reason.BLOCKS
+                            stop = self._hold(req, Reason.BLOCKS, b)
                             break
                         reserved = sum(unforked.values())
                         continue
                 n = self._chunk(remaining, b.budget)
                 if n < remaining:
                     # NOTE: without chunking the budget covers max_model_len (config check).
-                    if not cfg.enable_chunked_prefill:
-                        waiting.add_front([req])  # wait for a step with room for all of it
-                        if d is not None:
-                            d.held.append((req.request_id, Reason.WHOLE_PROMPT))
-                            stop = Reason.WHOLE_PROMPT
+                    if not cfg.enable_chunked_prefill:  # wait for a step with room for all of it
+                        stop = self._hold(req, Reason.WHOLE_PROMPT, b)
                         break
                     if self._num_partial(b) >= cfg.max_num_partial_prefills:
                         skipped.append(req)  # a shorter prompt behind it may still fit
                         if d is not None:
                             d.held.append((req.request_id, Reason.PARTIAL_PREFILLS))
                         continue
-                if headroom:
-                    if pending is None:
-                        pending = self._pending_prompt_blocks()
-                    whole = num_hit + remaining  # the prompt (a leader's: all but its last token)
-                    left = kv.num_free_blocks - (kv.blocks_needed(whole) - len(hits)) - pending
-                    if left < kv.blocks_needed(headroom) and not exact:
-                        headroom, exact = _headroom(self.running), True
-                    if left < kv.blocks_needed(headroom) and (not preempts or not any(
-                            r.priority > req.priority for r in self.running)):
-                        # NOTE: keep the running requests' growth room, unless the request
-                        # may preempt some of them for urgency anyway.
-                        waiting.add_front([req])
-                        if d is not None:
-                            d.held.append((req.request_id, Reason.HEADROOM))
-                            stop = Reason.HEADROOM
-                        break
+                if room is not None and room.short(num_hit + remaining, len(hits)) and (
+                        not preempts or not any(r.priority > req.priority for r in self.running)):
+                    # NOTE: keep the running requests' growth room, unless the request may
+                    # preempt some of them for urgency anyway.
+                    stop = self._hold(req, Reason.HEADROOM, b)
+                    break
                 req.num_computed_tokens = num_hit
                 new_ids = kv.allocate_slots(req, n, hits)
                 if new_ids is None and d is not None:
@@ -385,17 +350,11 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
                     new_ids = kv.allocate_slots(req, n, hits)
                 if new_ids is None:
                     req.num_computed_tokens = 0
-                    waiting.add_front([req])
-                    if d is not None:
-                        d.held.append((req.request_id, Reason.BLOCKS))
-                        stop = Reason.BLOCKS
+                    stop = self._hold(req, Reason.BLOCKS, b)
                     break
                 self._admit(req, n, num_hit, new_ids, b)
-                if headroom is not None:
-                    headroom += _headroom((req,)) if exact else HEADROOM_TOKENS
-                    if pending is not None and n < remaining:  # the chunks it has yet to compute
-                        whole, first = num_hit + remaining, num_hit + n
-                        pending += kv.blocks_needed(whole) - kv.blocks_needed(first)
+                if room is not None:
+                    room.admitted(req, num_hit + n, num_hit + remaining)
                 if group is not None:
                     reserved = sum(unforked.values())
         except BaseException:
@@ -424,6 +383,13 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
             back.append(in_hand)
         if back:
             self.waiting.add_front(back)
+
+    def _hold(self, req: Request, reason: Reason, b: StepBuilder) -> Reason:
+        """Put ``req`` back at the head of the waiting queue, held for ``reason``."""
+        self.waiting.add_front([req])
+        if b.decisions is not None:
+            b.decisions.held.append((req.request_id, reason))
+        return reason
 
     def _pending_prompt_blocks(self) -> int:
         """Blocks the running requests still need to finish their prompts (or recompute),
@@ -561,15 +527,3 @@ def _leading_decodes(requests: list[Request], start: int, limit: int) -> int:
             break
         k += 1
     return k
-
-
-def _headroom(running: Sequence[Request]) -> int:
-    """Tokens the running requests may still add within ``HEADROOM_TOKENS`` each.
-
-    NOTE: the only read of how far the running requests got in the waiting pass; fast-forward
-    relies on that (``FastForward._progress_unread``)."""
-    total = 0
-    for r in running:
-        left = r.sampling_params.max_tokens - len(r.output_token_ids)
-        total += left if left < HEADROOM_TOKENS else HEADROOM_TOKENS
-    return total
