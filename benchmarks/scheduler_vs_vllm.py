@@ -40,7 +40,9 @@ Scenarios (block size 16, prefix caching on for both):
   ``long_prefill_token_threshold=256``): every step holds the second chunk of the previous
   prompt, the first chunk of the new one and the decodes, and one request finishes. The
   footer shows, per side, requests admitted / finished and prompt tokens per step (they
-  should match).
+  should match), each side's cost of hashing one new prompt's blocks (kvloop's inside its
+  timed ``schedule()``, vLLM's at ``Request`` build, untimed), and the ratio with that
+  hashing counted on both sides.
 
 The vLLM half is one long-lived worker process (started once: importing vLLM takes
 seconds) that takes plans on stdin and answers samples on stdout. Each round runs every
@@ -131,6 +133,8 @@ class Sample:
     prefill_tokens: int
     add_request_build_us: float = 0.0
     """vLLM mixed only: mean µs to build one stream Request (prompt block hashing), untimed."""
+    prompt_hash_us: float = 0.0
+    """kvloop mixed only: µs to hash one stream prompt's blocks (inside its timed region)."""
     cpu_share: float = 0.0
     """Process CPU time / wall time over the whole run (warm-up included)."""
 
@@ -156,6 +160,10 @@ class Row:
     kvloop_per_step: dict[str, float]
     vllm_per_step: dict[str, float] | None
     vllm_request_build_us: float | None
+    kvloop_prompt_hash_us: float | None
+    ratio_hashing_both: float | None
+    """The mixed rows' ratio with vLLM's untimed prompt hashing added to its side (kvloop's is
+    already in its timed region)."""
 
 
 # -- plans (kvloop venv: sized by scheduler_overhead) -------------------------------------
@@ -207,8 +215,20 @@ def run_kvloop(so: Any, plan: Plan) -> Sample:
         r = so.run_mixed(plan.n, plan.steps, True, False)
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
     return Sample(
-        r.seconds, r.mean_running, r.finished, r.admitted, r.prefill_tokens, cpu_share=share
+        r.seconds, r.mean_running, r.finished, r.admitted, r.prefill_tokens, cpu_share=share,
+        prompt_hash_us=_kvloop_prompt_hash_us(so) if plan.scenario == "mixed" else 0.0,
     )
+
+
+def _kvloop_prompt_hash_us(so: Any) -> float:
+    """Median µs kvloop takes to hash one stream prompt's blocks, measured apart: it does so
+    inside ``schedule()``, so the mixed rows' timed region holds it once per admission."""
+    times = []
+    for req in so._stream_requests(so._Ids(), 30):
+        t = time.perf_counter()
+        req.update_block_hashes(so.BLOCK_SIZE)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
 
 
 # -- vLLM side (runs in the vLLM venv; imports nothing from kvloop) ------------------------
@@ -564,6 +584,7 @@ def build_rows(
         kv_req = kv_step / kv_run
         kv_best = min(s.seconds / p.steps * 1e6 / s.mean_running for s in kv_s)
         vl_step = vl_run = vl_req = ratio = build = vl_cpu = vl_best = ratio_best = None
+        both = None
         vl_per = None
         if vl is not None:
             vl_s = [r[i] for r in vl]
@@ -576,6 +597,8 @@ def build_rows(
             vl_per = _per_step(vl_s, p.steps)
             build = statistics.median(s.add_request_build_us for s in vl_s)
             vl_cpu = statistics.fmean(s.cpu_share for s in vl_s)
+            if p.scenario == "mixed":  # NOTE: ``build``: µs per step (one new request a step)
+                both = (vl_step + build) / vl_run / kv_req
         rows.append(
             Row(
                 scenario=p.scenario,
@@ -597,6 +620,9 @@ def build_rows(
                 kvloop_per_step=_per_step(kv_s, p.steps),
                 vllm_per_step=vl_per,
                 vllm_request_build_us=build if p.scenario == "mixed" else None,
+                kvloop_prompt_hash_us=(statistics.median(s.prompt_hash_us for s in kv_s)
+                                       if p.scenario == "mixed" else None),
+                ratio_hashing_both=both,
             )
         )
     return rows
@@ -635,7 +661,9 @@ def print_table(rows: list[Row]) -> None:
         k = r.kvloop_per_step
         print(
             f"  mixed N={r.n} per step: kvloop {k['admitted']:.2f} admitted, "
-            f"{k['finished']:.2f} finished, {k['prompt_tokens']:.0f} prompt tokens"
+            f"{k['finished']:.2f} finished, {k['prompt_tokens']:.0f} prompt tokens; "
+            f"prompt hashing inside schedule() (timed): "
+            f"{_fmt(r.kvloop_prompt_hash_us, '.0f')} us"
         )
         if r.vllm_per_step is not None:
             v = r.vllm_per_step
@@ -645,6 +673,8 @@ def print_table(rows: list[Row]) -> None:
                 f"Request build with prompt hashing (untimed): "
                 f"{_fmt(r.vllm_request_build_us, '.0f')} us"
             )
+            print(f"  {'':>{len(str(r.n)) + 19}}ratio with the prompt hashing on both sides: "
+                  f"{_fmt(r.ratio_hashing_both, '.2f')}x")
 
 
 def main(argv: list[str] | None = None) -> int:
