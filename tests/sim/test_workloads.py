@@ -271,7 +271,7 @@ def test_parse_length_spec():
 
 def test_priority_mix():
     assert parse_priority_mix("0:0.2, 1:0.8") == {0: 0.2, 1: 0.8}
-    for bad in ["", "0", "a:1", "0:x", "0:-1", "0:0", "0:1,0:2"]:
+    for bad in ["", "0", "a:1", "0:x", "0:-1", "0:0", "0:1,0:2", f"{2**63}:1"]:
         with pytest.raises(ValueError, match="priority mix"):
             parse_priority_mix(bad)
     reqs = synthetic_workload(2000, request_rate=1.0, prompt_len=4, output_len=4)

@@ -18,7 +18,6 @@ from conftest import (  # noqa: E402
     prompts_of,
     qwen3_moe_config,
 )
-from kvloop.executor.torch.layer_ops import TORCH_OPS  # noqa: E402
 from kvloop.executor.torch.models import ModelConfig  # noqa: E402
 
 CONFIGS = {"mixtral": mixtral_config, "qwen3_moe": qwen3_moe_config}
@@ -38,14 +37,12 @@ def test_the_config_names_the_experts(moe_model) -> None:
         assert cfg.moe.layers == {0, 1, 2} and cfg.moe.normalize
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch"])
-def test_greedy_tokens_match_transformers(moe_model, fused: bool) -> None:
+def test_greedy_tokens_match_transformers(moe_model) -> None:
+    """On the path this model loads with (``test_every_path`` runs every path)."""
     runner = make_runner(moe_model, max_num_batched_tokens=24)
     model = runner.model
     assert any(layer.moe is not None for layer in model.layers)
     assert model.decode_layers is None  # the one-call step has no experts
-    if not fused:
-        model.layer_ops = TORCH_OPS
     prompts = prompts_of([5, 30, 11, 3], moe_model.vocab_size, seed=4)
     reqs, _ = drive(runner, prompts, 10, arrive_at=[0, 0, 2, 5])
     assert_matches(moe_model, reqs, 10)

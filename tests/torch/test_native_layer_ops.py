@@ -1,8 +1,8 @@
 """kvloop's own fused CPU layer ops (``executor.torch.native``): ``rms_norm``,
-``rope_write_kv`` and ``silu_mul`` against the torch ops they replace in ``models/llama.py``
-(in bfloat16 and float32), a NaN gate giving a NaN activation, bad input refused with a
-RuntimeError (and a one-dimensional ``out``, of ``q8_linear`` too), and the default model in
-bfloat16 with its layer ops fused or not."""
+``rope_write_kv`` and ``silu_mul`` against the torch ops they replace
+(``layer_ops.TORCH_OPS``, in bfloat16 and float32), a NaN gate giving a NaN activation, bad
+input refused with a RuntimeError (and a one-dimensional ``out``, of ``q8_linear`` too), and
+the default model in bfloat16 with its layer ops fused or not."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 from native_helpers import BF16, KERNELS, OPS, q8_args  # noqa: E402
 
 from kvloop.executor.torch import native  # noqa: E402
-from kvloop.executor.torch.attention import build_metadata, write_kv  # noqa: E402
+from kvloop.executor.torch.attention import build_metadata  # noqa: E402
 from kvloop.executor.torch.layer_ops import NATIVE_OPS, TORCH_OPS, rms_norm  # noqa: E402
 
 # -- layer ops: rms_norm, rope_write_kv, silu_mul --------------------------------------------
@@ -32,7 +32,7 @@ def steps_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("hidden", [64, 576])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_rms_norm_matches_the_models_bf16(rows: int, hidden: int) -> None:
-    """``rms_norm`` is ``models.llama.rms_norm`` in bfloat16: normalised in float32, rounded,
+    """``rms_norm`` is ``TORCH_OPS.rms_norm`` in bfloat16: normalised in float32, rounded,
     then scaled by the weight and rounded again. Its sum of squares runs in another order
     than torch's, so the normalised value may land one bfloat16 step off (rarely)."""
     gen = torch.Generator().manual_seed(31 * rows + hidden)
@@ -43,7 +43,8 @@ def test_rms_norm_matches_the_models_bf16(rows: int, hidden: int) -> None:
     eps = 1e-5
     out = torch.full_like(x, float("nan"))
     native.call("rms_norm", x, w, eps, out)
-    ref = rms_norm(x, w, eps)
+    ref = torch.empty_like(x)
+    TORCH_OPS.rms_norm(x, w, eps, ref)
     normed = F.rms_norm(x.float(), (hidden,), None, eps).to(BF16)
     assert torch.equal(ref, w * normed)  # what the model computes, spelled out
     up, down = steps_of(normed)
@@ -66,7 +67,8 @@ def test_rms_norm_matches_torchs_in_float32(rows: int, hidden: int) -> None:
     w = 1 + 0.2 * torch.randn(hidden, generator=gen)
     out = torch.full_like(x, float("nan"))
     native.call("rms_norm", x, w, 1e-5, out)
-    ref = rms_norm(x, w, 1e-5)
+    ref = torch.empty_like(x)
+    TORCH_OPS.rms_norm(x, w, 1e-5, ref)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert float((out - rms_norm(x, w, 1e-3)).abs().max()) > 1e-2  # eps is used
 
@@ -79,18 +81,6 @@ def rope_tables(positions: torch.Tensor, head_dim: int,
     cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
     sin = freqs.sin().to(dtype)
     return cos, torch.cat((-sin, sin), dim=-1)
-
-
-def torch_rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        cache: torch.Tensor, slots: torch.Tensor, heads: int, kv: int) -> None:
-    """``LlamaForCausalLM.forward``'s torch ops for RoPE and the KV write, in place."""
-    rows, head_dim = qkv.shape[0], cache.shape[-1]
-    half = head_dim // 2
-    qk = qkv[:, : (heads + kv) * head_dim].view(rows, heads + kv, head_dim)
-    rotated = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-    qk.mul_(cos[:, None]).addcmul_(rotated, sin[:, None])
-    v = qkv[:, (heads + kv) * head_dim :].view(rows, kv, head_dim)
-    write_kv(cache, qk[:, heads:], v, slots)
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "f32"])
@@ -108,7 +98,7 @@ def test_rope_write_kv_matches_the_models_ops(rows: int, heads: int, kv: int, he
     got, got_cache = qkv.clone(), cache.clone()
     native.call("rope_write_kv", got, cos, sin, got_cache, slots, heads, kv)
     ref, ref_cache = qkv.clone(), cache.clone()
-    torch_rope_write_kv(ref, cos, sin, ref_cache, slots, heads, kv)
+    TORCH_OPS.rope_write_kv(ref, cos, sin, ref_cache, slots, heads, kv)
     if dtype == BF16:  # rounded where torch rounds: the same values
         assert torch.equal(got, ref)
         assert torch.equal(got_cache, ref_cache)
@@ -134,9 +124,9 @@ def test_rope_write_kv_matches_the_models_ops(rows: int, heads: int, kv: int, he
 
 @pytest.mark.parametrize("rows, inter", [(1, 64), (5, 1536), (40, 256)])
 def test_silu_mul_matches_the_models_bf16(rows: int, inter: int) -> None:
-    """``silu_mul`` is ``F.silu(gate).mul_(up)`` in bfloat16 (silu rounded, then the
-    product): the same value or one step off (its exp differs from torch's in the last
-    float32 bits), finite for gates of +-100."""
+    """``silu_mul`` is ``TORCH_OPS.silu_mul`` (``F.silu(gate).mul_(up)``) in bfloat16 (silu
+    rounded, then the product): the same value or one step off (its exp differs from torch's
+    in the last float32 bits), finite for gates of +-100."""
     gen = torch.Generator().manual_seed(rows + inter)
     gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
     extremes = torch.tensor([100.0, -100.0, 88.0, -88.0, 87.0, -87.0, 30.0, -30.0, 0.0, -0.0])
@@ -148,7 +138,9 @@ def test_silu_mul_matches_the_models_bf16(rows: int, inter: int) -> None:
     native.call("silu_mul", gate_up, out)
     assert torch.equal(gate_up, kept)
     gate, up = kept.chunk(2, dim=-1)
-    ref = F.silu(gate).mul_(up)
+    ref = torch.empty_like(out)
+    TORCH_OPS.silu_mul(kept.clone(), ref)
+    assert torch.equal(ref, F.silu(gate).mul_(up))  # what the model computes, spelled out
     assert bool(out.isfinite().all())
     high, low = steps_of(ref)
     # NOTE: at gate -100 torch's float32 exp(100) overflows (silu = -0), the kernel's exp
@@ -172,8 +164,9 @@ def test_silu_mul_matches_torchs_in_float32(rows: int) -> None:
     gate_up[0, :4] = torch.tensor([100.0, -100.0, 88.0, -88.0])
     out = torch.full((rows, 128), float("nan"))
     native.call("silu_mul", gate_up, out)
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
+    ref = torch.empty_like(out)
+    TORCH_OPS.silu_mul(gate_up.clone(), ref)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-30)
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -268,7 +261,7 @@ def test_rope_write_kv_refuses_a_negative_head_count() -> None:
     cache = torch.zeros(2, 1, 4, 2, 64)
     with pytest.raises(RuntimeError):  # (-1 + 2 * 2) * 64 = qkv's width: -1 "query heads"
         OPS.rope_write_kv(buf[1:], torch.ones(1, 64), torch.zeros(1, 64), cache,
-                              torch.tensor([1]), -1, 2)
+                          torch.tensor([1]), -1, 2)
 
 
 def _silu_args(**change: object) -> dict[str, object]:

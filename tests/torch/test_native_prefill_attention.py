@@ -248,5 +248,5 @@ def test_prefill_attention_refuses_positions_float32_cannot_hold() -> None:
     table = torch.zeros(1, (1 << 20) + 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match=r"past 2\^24"):
         OPS.prefill_attention(torch.randn(1, 4, 64), torch.randn(2, 6, 16, 2, 64), table,
-                                  torch.tensor([1 << 24]), torch.tensor([(1 << 24) + 1]), 0.125,
-                                  torch.empty(1, 256))
+                              torch.tensor([1 << 24]), torch.tensor([(1 << 24) + 1]), 0.125,
+                              torch.empty(1, 256))

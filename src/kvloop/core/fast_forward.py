@@ -199,10 +199,11 @@ class FastForward(SchedulerState):
         date for it).
 
         NOTE: of the running requests, the waiting pass reads their number, their priorities
-        (to preempt, which fast-forward rules out) and, only through ``_headroom``, their
-        outputs: when the blocks left after a prompt fall short of the headroom bound of
-        ``HEADROOM_TOKENS`` a request. The pass admits at most ``admits`` requests (a seat
-        each); each examined request's blocks left are at least the free blocks less the
+        (to preempt, which fast-forward rules out) and, only through
+        ``admission_room._headroom``, their outputs: when the blocks left after a prompt fall
+        short of the headroom bound of ``HEADROOM_TOKENS`` a request. The pass admits at most
+        ``admits`` requests (a seat each); each examined request's blocks left are at least
+        the free blocks less the
         running prompts' pending blocks, less its own prompt (at most ``max_model_len``),
         less what each admission before it took and left pending (two prompts, and a block
         per forked sibling); the bound grows by ``HEADROOM_TOKENS`` an admission. If the

@@ -12,6 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvloop.sampling_params import is_int64
 from kvloop.sim.traces import SHIPPED_TRACES, WorkloadRequest, trace_lengths
 
 __all__ = [
@@ -174,7 +175,7 @@ def parse_priority_mix(spec: str) -> dict[int, float]:
     for item in spec.split(","):
         prio, sep, weight = item.strip().partition(":")
         try:
-            if not sep or int(prio) in mix:
+            if not sep or int(prio) in mix or not is_int64(int(prio)):
                 raise ValueError
             mix[int(prio)] = float(weight)
         except ValueError:

@@ -3,9 +3,9 @@ interface, its implementation picked once when a model loads.
 
 - :data:`TORCH_OPS`: torch's ops with transformers' numerics (any device and dtype).
 - :data:`NATIVE_OPS`: kvloop's fused CPU kernels, the operators ``torch.ops.kvloop.*``
-  (``native``), rounding where torch's ops round in bfloat16 and in float32 throughout in
-  float32 (torch's results up to float32 rounding; greedy outputs matched transformers' in the
-  parity tests).
+  (``native``): in bfloat16 rounding where torch's ops round; in float32 computing in float32
+  throughout (torch's results up to float32 rounding; greedy outputs matched transformers' in
+  the parity tests).
 
 Both write into the buffers they are given, so the model's layer (``models.llama``) is
 written once against :class:`LayerOps`.
@@ -48,7 +48,8 @@ class LayerOps(Protocol):
         ...
 
     def silu_mul(self, gate_up: Tensor, out: Tensor) -> None:
-        """``out = silu(gate) * up`` for ``gate_up`` = [gate | up] [T, 2I]."""
+        """``out = silu(gate) * up`` for ``gate_up`` = [gate | up] [T, 2I] (a temporary: its
+        gate half may be overwritten)."""
         ...
 
 
@@ -58,7 +59,11 @@ class TorchLayerOps:
     fused = False
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-        out.copy_(rms_norm(x, weight, eps))
+        if x.dtype == torch.float32:
+            out.copy_(F.rms_norm(x, weight.shape, weight, eps))
+        else:  # NOTE: ``rms_norm``'s two roundings, the product written into ``out``
+            torch.mul(weight, F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype),
+                      out=out)
 
     def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
                       slots: Tensor, num_heads: int, num_kv_heads: int) -> None:

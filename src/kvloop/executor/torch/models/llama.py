@@ -129,6 +129,7 @@ class LlamaForCausalLM:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
+        self._dense_mlp = any(layer.moe is None for layer in layers)
         self.layer_ops = pick_layer_ops(self.device, self.dtype, config.hidden_size,
                                         config.head_dim, config.intermediate_size)
         """A layer's small ops (``layer_ops``): kvloop's fused CPU kernels where they run
@@ -145,7 +146,8 @@ class LlamaForCausalLM:
         self.decode_layers = self.build_decode_layers() if self.layer_ops.fused else None
         """``native.DecodeLayers`` where every layer matrix is in kvloop's kernels: a step of
         decodes only, read in place, then runs all layers in one call (the layer of
-        :meth:`_forward` with the same kernels, without Python between them)."""
+        :meth:`_forward` with the same kernels, without Python between them), while
+        :attr:`layer_ops` are kvloop's kernels."""
 
     def start_weights_move(self) -> None:
         """Start copying the streamed weights onto huge pages (:attr:`weights_move`) in the
@@ -348,7 +350,7 @@ class LlamaForCausalLM:
         eps, num_tokens = cfg.rms_norm_eps, input_ids.shape[0]
         head_dim, num_heads, num_kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         slots = meta.slot_mapping
-        if self.decode_layers is not None and _all_decodes(meta, num_tokens):
+        if ops.fused and self.decode_layers is not None and _all_decodes(meta, num_tokens):
             group = meta.groups[0]
             x = self.decode_layers.run(
                 input_ids, self.embed, *self.rope_tables(meta.num_positions), positions,
@@ -362,7 +364,7 @@ class LlamaForCausalLM:
             # with the output projections), and one normed-input and one activation buffer
             # serve every layer. Fewer fresh buffers means fewer page faults on CPU.
             h = torch.empty_like(x)
-            act = x.new_empty(num_tokens, cfg.intermediate_size)
+            act = x.new_empty(num_tokens, cfg.intermediate_size) if self._dense_mlp else x
             for layer, cache in zip(self.layers, kv_layers, strict=True):
                 ops.rms_norm(x, layer.input_norm, eps, h)
                 qkv = layer.qkv(h)

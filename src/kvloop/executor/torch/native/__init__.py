@@ -23,7 +23,7 @@ beyond the stock GEMMs (``docs/native-kernels.md``), so kvloop ships its own:
   KV, read in place the same way, a tile of query rows against each tile of keys with an
   online softmax; ``attention.paged_attention`` uses it for prefill groups.
 - ``rms_norm``, ``rope_write_kv``, ``silu_mul``: a decoder layer's small ops fused, rounding
-  where torch's ops round; ``LlamaForCausalLM.fused_ops`` (bfloat16 and float32).
+  where torch's ops round; ``layer_ops.NATIVE_OPS`` (bfloat16 and float32).
 - ``argmax_rows``: each float32 logits row's argmax as a list (numpy's and torch's ties and
   NaNs), the sampler's pick where every row of a step is plain greedy.
 
@@ -160,14 +160,14 @@ def kernels() -> ModuleType | None:
         return None
     try:
         module = _build_and_load(build_for_cpu() or FULL)
+        for name in OPS:
+            # NOTE: every operator writes only into its arguments (its schema's ``(a!)``):
+            # its shape function has nothing to compute.
+            torch.library.register_fake(f"kvloop::{name}")(_writes_only)
+            _OVERLOADS[name] = getattr(torch.ops.kvloop, name).default
     except Exception as exc:  # NOTE: any failure (compiler, cache dir) falls back to torch's
         log.warning("kvloop's CPU kernels are off (%s): using torch's kernels", exc)
         return None
-    for name in OPS:
-        # NOTE: every operator writes only into its arguments (its schema's ``(a!)``): its
-        # shape function has nothing to compute.
-        torch.library.register_fake(f"kvloop::{name}")(_writes_only)
-        _OVERLOADS[name] = getattr(torch.ops.kvloop, name).default
     return module
 
 

@@ -1,5 +1,5 @@
 // A bfloat16 or float32 model's decoder layers for one decode step, in one call: the sequence of
-// LlamaForCausalLM._fused_layers (RMSNorm, QKV, RoPE + KV write, attention read in place,
+// LlamaForCausalLM._forward's layer (RMSNorm, QKV, RoPE + KV write, attention read in place,
 // O + residual, RMSNorm, gate/up, SiLU·up, down + residual) without returning to Python
 // between the ~10 kernels of each layer (about a quarter of a one-token step was that
 // Python). Each kernel is the one the Python loop calls, so results are the same bits. The
@@ -145,7 +145,7 @@ void DecodeLayers::layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor
               "DecodeLayers: x is ", x.scalar_type(), " for ",
               float_kind_ == kBf16 ? "bfloat16" : "float32", " matrices");
   const int64_t T = x.size(0), q_size = num_heads_ * head_dim_;
-  // NOTE: buffers shared by every layer of the step (as in _fused_layers).
+  // NOTE: buffers shared by every layer of the step (as in LlamaForCausalLM._forward).
   at::Tensor h = at::empty_like(x);
   at::Tensor qkv = x.new_empty({T, mats_[0].out_features});
   at::Tensor attn = x.new_empty({T, q_size});
