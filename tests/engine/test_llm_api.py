@@ -109,6 +109,15 @@ def test_bad_input_raises_and_engine_keeps_serving(llm: LLM, prompt, params, fie
     assert ok.finished
 
 
+@pytest.mark.parametrize("priority", [1, "0", [0]])
+def test_priority_is_one_integer_per_prompt(llm: LLM, priority):
+    with pytest.raises(ValueError, match="priority") as err:
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=priority,
+                     use_tqdm=False)
+    assert err.value.field == "priority"
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_bad_params_name_the_field():
     for kw, field in [
         ({"max_tokens": 0}, "max_tokens"),

@@ -96,6 +96,10 @@ class LLM:
         batch = _as_batch(prompts)
         n = len(batch)
         params = self._as_params(sampling_params, n)
+        if priority is not None and (isinstance(priority, (str, bytes))
+                                     or not isinstance(priority, Sequence)):
+            raise InvalidRequestError("priority", "priority must be a list with one integer "
+                                      f"per prompt (as vLLM's), got {type(priority).__name__}")
         prios = list(priority) if priority is not None else [0] * n
         if len(prios) != n:
             raise InvalidRequestError("priority", "priority must have one entry per prompt")

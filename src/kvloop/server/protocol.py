@@ -95,7 +95,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]] = _doc(
         ..., minLength=1, minItems=1, items={"minimum": 0, "minLength": 1, "minItems": 1},
-        description="Text, token ids, or a list of one of those.")
+        description="Text, token ids, or a one-item list of either (one prompt per request).")
     logprobs: int | None = _doc(minimum=0, maximum=20)
     echo: bool = _doc(False, const=False, description="Not supported.")
     suffix: str | None = _doc(maxLength=0, description="Not supported.")

@@ -175,13 +175,19 @@ def parse_priority_mix(spec: str) -> dict[int, float]:
     for item in spec.split(","):
         prio, sep, weight = item.strip().partition(":")
         try:
-            if not sep or int(prio) in mix or not is_int64(int(prio)):
+            if not sep:
                 raise ValueError
-            mix[int(prio)] = float(weight)
+            p, w = int(prio), float(weight)
         except ValueError:
             raise ValueError(
                 f"bad priority mix {spec!r}: expected 'PRIORITY:WEIGHT,...', got {item!r}"
             ) from None
+        if not is_int64(p):
+            raise ValueError(f"bad priority mix {spec!r}: priority {p} is outside 64 bits "
+                             "([-2^63, 2^63 - 1])")
+        if p in mix:
+            raise ValueError(f"bad priority mix {spec!r}: priority {p} is given twice")
+        mix[p] = w
     _check_mix(mix, spec)
     return mix
 
