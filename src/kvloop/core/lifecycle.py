@@ -188,6 +188,19 @@ class RequestLifecycle(SchedulerState):
         self.step_index += 1
         return failed
 
+    def _put_back(self, in_hand: Request | None, skipped: list[Request]) -> None:
+        """Return to the waiting queue the requests a failing waiting pass held: those it
+        skipped, and the one in hand unless it was placed (admitted, finished, queued)."""
+        back = list(skipped)
+        if (in_hand is not None and in_hand.request_id in self.requests
+                and in_hand.status is not _RUNNING and all(r is not in_hand for r in skipped)
+                and all(r is not in_hand for r in self.waiting)):
+            self.kv.free(in_hand)  # NOTE: blocks it may have got before the failure
+            in_hand.num_computed_tokens = 0
+            back.append(in_hand)
+        if back:
+            self.waiting.add_front(back)
+
     # -- checks --------------------------------------------------------------------
 
     def check_invariants(self) -> None:

@@ -1,14 +1,9 @@
 """The loop's decisions: which requests compute how many tokens in the next step.
 
-One token budget and one sequence cap per step are spent on, in ``decode-first`` order:
-running requests (a decode takes 1 token, a partial prefill its next chunk), swapped-out
-requests coming back, then waiting requests in policy order. ``prefill-first`` admits
-waiting requests before serving running ones. There are no prefill or decode phases: each
-request has ``num_computed_tokens`` and ``num_tokens``, and a step mixes both kinds.
-
-When a running request cannot get a KV slot, a victim (least urgent, latest arrived) is
-preempted by recompute or swap. Under the ``priority`` policy a waiting request may also
-preempt running requests that are strictly less urgent than itself.
+One token budget and one sequence cap per step are spent on running requests (a decode
+takes 1 token, a partial prefill its next chunk), swapped-out requests coming back, and
+waiting requests in policy order; ``prefill-first`` admits waiting requests first. A step
+mixes prompt chunks and decodes: each request has ``num_computed_tokens`` and ``num_tokens``.
 
 One step, top to bottom (this file, in this order; how a victim is chosen and taken off
 the device, which the passes share, is ``kvloop.core.preemption``):
@@ -26,6 +21,7 @@ the device, which the passes share, is ``kvloop.core.preemption``):
 4. The waiting pass (``_schedule_waiting``): waiting requests in policy order, each with its
    prefix-cache hits, a chunk of its prompt, and room kept for the running requests'
    growth and unfinished prompts (cost-aware admission, ``kvloop.core.admission_room``);
+   under the ``priority`` policy it may preempt running requests strictly less urgent.
    ``_admit`` records each admission, ``_hold`` puts back a request that must wait.
 5. The decided step: ``_commit_admissions`` counts the admissions that stayed (prefix
    lookups, recomputed tokens, first scheduled times) and ``_build_output`` hands the
@@ -370,19 +366,6 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
                     Reason.SEATS if len(self.running) + reserved >= cfg.max_num_seqs
                     else Reason.POLICY_ORDER)
             d.stop(stop, len(waiting))
-
-    def _put_back(self, in_hand: Request | None, skipped: list[Request]) -> None:
-        """Return to the waiting queue the requests a failing waiting pass held: those it
-        skipped, and the one in hand unless it was placed (admitted, finished, queued)."""
-        back = list(skipped)
-        if (in_hand is not None and in_hand.request_id in self.requests
-                and in_hand.status is not _RUNNING and all(r is not in_hand for r in skipped)
-                and all(r is not in_hand for r in self.waiting)):
-            self.kv.free(in_hand)  # NOTE: blocks it may have got before the failure
-            in_hand.num_computed_tokens = 0
-            back.append(in_hand)
-        if back:
-            self.waiting.add_front(back)
 
     def _hold(self, req: Request, reason: Reason, b: StepBuilder) -> Reason:
         """Put ``req`` back at the head of the waiting queue, held for ``reason``."""
