@@ -88,3 +88,43 @@ def test_the_listed_blocks_give_the_dense_rows(block_size: int) -> None:
             ref = torch.einsum("hl,lhd->hd", w, values).reshape(-1)
             torch.testing.assert_close(out[row], ref, atol=1e-5, rtol=1e-5)
             row += 1
+
+
+def test_one_compiled_kernel_serves_every_step() -> None:
+    """A new ``mask_mod`` each step is no new kernel: dynamo guards on its code and passes
+    its tensors as inputs, so the compiled FlexAttention (``flex._compiled``'s call, dynamic
+    shapes) recompiles only for the few shapes it specialises (a batch or query length of
+    one) and then serves every step. Counted with dynamo's eager backend: graphs, not
+    kernels, are what recompiling would add."""
+    import random
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention.flex_attention import flex_attention
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(flex_attention, dynamic=True, backend=counter)
+    block_size, pool = 16, 256
+    cache = torch.randn(2, pool, block_size, KV_HEADS, D)
+    k = cache[0].view(1, -1, KV_HEADS, D).transpose(1, 2)
+    v = cache[1].view(1, -1, KV_HEADS, D).transpose(1, 2)
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
+    frames = []
+    for _ in range(48):
+        decodes, chunks = rng.randint(0, 4), rng.randint(0, 3)
+        reqs = ([(rng.randint(1, 300), 1) for _ in range(decodes or (not chunks))]
+                + [(rng.randint(0, 200), rng.randint(2, 200)) for _ in range(chunks)])
+        free = torch.randperm(pool, generator=gen).tolist()
+        tables = [[free.pop() for _ in range(-(-(s + n) // block_size))] for s, n in reqs]
+        meta, positions = attn_mod.build_metadata(
+            starts=[s for s, _ in reqs], lengths=[n for _, n in reqs], block_tables=tables,
+            num_decodes=sum(n == 1 for _, n in reqs), block_size=block_size,
+            device=torch.device("cpu"), dtype=torch.float32, flex_pool_blocks=pool)
+        q = torch.randn(len(positions), HEADS, D, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for g, mask in zip(meta.groups, meta.flex_masks, strict=True):
+                compiled(g.queries(q), k, v, block_mask=mask, scale=D**-0.5,
+                         enable_gqa=True, kernel_options={"BLOCK_N": block_size})
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[len(frames) // 2] <= 8, frames

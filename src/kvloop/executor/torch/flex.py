@@ -68,7 +68,10 @@ Q_BLOCK = 128
 @functools.cache
 def _compiled() -> Callable[..., Tensor]:
     # NOTE: dynamic shapes: batch, query length and block counts change every step; one
-    # dynamic graph instead of a recompilation per shape.
+    # dynamic graph instead of a recompilation per shape. Each step's ``mask_mod`` is a new
+    # closure, but dynamo guards on its code and takes its tensors as inputs: after a few
+    # shape specialisations (a batch or query length of one) no step recompiles
+    # (``tests/torch/test_flex_block_lists.py``).
     return torch.compile(flex_attention, dynamic=True)
 
 
