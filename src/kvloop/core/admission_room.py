@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvloop.core.request import Request
-from kvloop.core.state import HEADROOM_TOKENS
 
 if TYPE_CHECKING:
-    from kvloop.core.scheduler import Scheduler
+    from kvloop.core.state import SchedulerState
+
+HEADROOM_TOKENS = 64
+"""Tokens of KV growth per running request that cost-aware admission keeps free."""
 
 
 class AdmissionRoom:
@@ -30,7 +32,7 @@ class AdmissionRoom:
     for the running requests (0 while nothing runs: nothing to keep) and the blocks their
     prompts still need."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerState) -> None:
         self._scheduler = scheduler
         self._kv = scheduler.kv
         self.headroom = len(scheduler.running) * HEADROOM_TOKENS
@@ -46,7 +48,7 @@ class AdmissionRoom:
             return False
         kv = self._kv
         if self._pending is None:
-            self._pending = self._scheduler._pending_prompt_blocks()
+            self._pending = pending_prompt_blocks(self._scheduler)
         left = kv.num_free_blocks - (kv.blocks_needed(whole) - num_hit_blocks) - self._pending
         if left < kv.blocks_needed(self.headroom) and not self._exact:
             self.headroom, self._exact = _headroom(self._scheduler.running), True
@@ -71,3 +73,14 @@ def _headroom(running: Sequence[Request]) -> int:
         left = r.sampling_params.max_tokens - len(r.output_token_ids)
         total += left if left < HEADROOM_TOKENS else HEADROOM_TOKENS
     return total
+
+
+def pending_prompt_blocks(scheduler: SchedulerState) -> int:
+    """Blocks the running requests still need to finish their prompts (or recompute),
+    beyond those they hold."""
+    kv, requests, pending = scheduler.kv, scheduler.requests, 0
+    for rid in scheduler._prefilling:
+        r = requests[rid]
+        if r.num_computed_tokens < r.prefill_end:
+            pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
+    return pending

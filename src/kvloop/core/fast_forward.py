@@ -28,8 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvloop.core.admission_room import HEADROOM_TOKENS, pending_prompt_blocks
 from kvloop.core.request import Request, RequestStatus
-from kvloop.core.state import HEADROOM_TOKENS, SchedulerState
+from kvloop.core.state import SchedulerState
 from kvloop.core.step import StepBuilder
 from kvloop.core.waiting_gate import WaitingGate
 
@@ -200,14 +201,14 @@ class FastForward(SchedulerState):
 
         NOTE: of the running requests, the waiting pass reads their number, their priorities
         (to preempt, which fast-forward rules out) and, only through
-        ``admission_room._headroom``, their outputs: when the blocks left after a prompt fall
-        short of the headroom bound of ``HEADROOM_TOKENS`` a request. The pass admits at most
-        ``admits`` requests (a seat each); each examined request's blocks left are at least
-        the free blocks less the
-        running prompts' pending blocks, less its own prompt (at most ``max_model_len``),
-        less what each admission before it took and left pending (two prompts, and a block
-        per forked sibling); the bound grows by ``HEADROOM_TOKENS`` an admission. If the
-        least blocks left still cover the largest bound, the outputs are never read."""
+        ``admission_room._headroom``, their outputs: when the blocks left after a prompt
+        fall short of the headroom bound of ``HEADROOM_TOKENS`` a request. The pass admits
+        at most ``admits`` requests (a seat each); each examined request's blocks left are
+        at least the free blocks less the running prompts' pending blocks, less its own
+        prompt (at most ``max_model_len``), less what each admission before it took and left
+        pending (two prompts, and a block per forked sibling); the bound grows by
+        ``HEADROOM_TOKENS`` an admission. If the least blocks left still cover the largest
+        bound, the outputs are never read."""
         cfg, kv = self.config, self.kv
         if not cfg.cost_aware_preemption:
             return True  # NOTE: no headroom is kept
@@ -215,7 +216,7 @@ class FastForward(SchedulerState):
         admits = max(0, min(cfg.max_num_seqs - running - sum(self._unforked.values()),
                             len(self.waiting)))
         prompt = kv.blocks_needed(cfg.max_model_len)
-        least = (free_blocks - self._pending_prompt_blocks() - prompt
+        least = (free_blocks - pending_prompt_blocks(self) - prompt
                  - admits * (2 * prompt + cfg.max_num_seqs))
         return least >= kv.blocks_needed(HEADROOM_TOKENS * (running + admits))
 

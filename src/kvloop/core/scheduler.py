@@ -374,16 +374,6 @@ class Scheduler(RequestLifecycle, Preemption, StepResults, GroupForking, FastFor
             b.decisions.held.append((req.request_id, reason))
         return reason
 
-    def _pending_prompt_blocks(self) -> int:
-        """Blocks the running requests still need to finish their prompts (or recompute),
-        beyond those they hold."""
-        kv, requests, pending = self.kv, self.requests, 0
-        for rid in self._prefilling:
-            r = requests[rid]
-            if r.num_computed_tokens < r.prefill_end:
-                pending += max(0, kv.blocks_needed(r.num_tokens) - len(kv.block_ids(rid)))
-        return pending
-
     def _admit(
         self, req: Request, n: int, num_hit: int, block_ids: list[int], b: StepBuilder
     ) -> None:

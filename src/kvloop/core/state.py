@@ -12,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-HEADROOM_TOKENS = 64
-"""Tokens of KV growth per running request that cost-aware admission keeps free."""
-
 if TYPE_CHECKING:
     from kvloop.config import CacheConfig, SchedulerConfig
     from kvloop.core.kv_cache_manager import KVCacheManager
@@ -58,7 +55,6 @@ class SchedulerState:
         def _admit(self, req: Request, n: int, num_hit: int, block_ids: list[int],
                    b: StepBuilder) -> None: ...
         def _commit_admissions(self, b: StepBuilder) -> None: ...
-        def _pending_prompt_blocks(self) -> int: ...
 
         # Preemption
         def _wait_instead(self, req: Request, n: int, b: StepBuilder) -> bool: ...

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvloop.core.admission_room import HEADROOM_TOKENS
 from kvloop.core.policies.basic import FCFSPolicy, PriorityPolicy
-from kvloop.core.state import HEADROOM_TOKENS
 
 if TYPE_CHECKING:
     from kvloop.core.fast_forward import _Decoders

@@ -11,6 +11,7 @@ simulated executor on its own clock; :func:`simulate` is its one-replica case an
 
 from __future__ import annotations
 
+import functools
 import heapq
 import time
 from collections.abc import Callable, Sequence
@@ -151,6 +152,12 @@ class Replica:
             return self._live_load()
         queued, running, usage = self._in_flight
         return queued + len(self.pending) + len(self.held), running, usage
+
+    @functools.cached_property
+    def timeline(self) -> StepTimeline:
+        """The replica's step end times, read once its run is over (built once: the summary
+        of the run and the replica's own row share it)."""
+        return StepTimeline(self.executor.step_ends)
 
     def add(self, request: Request) -> None:
         """Route ``request`` here: into the scheduler now when idle, else at the step's end."""
@@ -364,8 +371,7 @@ def timelines(replicas: Sequence[Replica]) -> dict[str, StepTimeline]:
     """Request id -> the step timeline of the replica that served it."""
     out: dict[str, StepTimeline] = {}
     for rep in replicas:
-        out.update(dict.fromkeys((r.request_id for r in rep.requests),
-                                 StepTimeline(rep.executor.step_ends)))
+        out.update(dict.fromkeys((r.request_id for r in rep.requests), rep.timeline))
     return out
 
 

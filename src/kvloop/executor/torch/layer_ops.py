@@ -23,11 +23,16 @@ from kvloop.executor.torch import native
 from kvloop.executor.torch.attention import write_kv
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale (into
+    ``out`` when given, which may be ``x``)."""
+    if x.dtype == torch.float32:  # one fused kernel computes the same thing
+        y = F.rms_norm(x, weight.shape, weight, eps)
+        return y if out is None else out.copy_(y)
+    # NOTE: the same fused kernel on a float32 copy; the cast back and the scale stay two
+    # steps, as transformers rounds between them.
+    return torch.mul(weight, F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype),
+                     out=out)
 
 
 class LayerOps(Protocol):
@@ -59,11 +64,7 @@ class TorchLayerOps:
     fused = False
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-        if x.dtype == torch.float32:
-            out.copy_(F.rms_norm(x, weight.shape, weight, eps))
-        else:  # NOTE: ``rms_norm``'s two roundings, the product written into ``out``
-            torch.mul(weight, F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype),
-                      out=out)
+        rms_norm(x, weight, eps, out)
 
     def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
                       slots: Tensor, num_heads: int, num_kv_heads: int) -> None:
