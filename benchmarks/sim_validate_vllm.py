@@ -25,17 +25,19 @@ overloaded and the rtx run (a finite burst whose queue drains, compared whatever
 says), the overloads predicted right, and the simulator's speed (simulated seconds per wall
 second).
 
-One constant comes from the ``h100`` runs: the ``vllm`` preset's ``frontend_s`` (vLLM's
-server time outside the engine loop). The script refits it (the median over non-overloaded
+Two constants come from the ``h100`` runs. The ``vllm`` preset's ``frontend_s`` (vLLM's
+server time outside the engine loop): the script refits it (the median over non-overloaded
 stages of measured minus simulated TTFT p50) and reports each model's TTFT errors with the
-constant fitted on the other two models only (leave-one-model-out). The shipped value is
-``VLLM_FRONTEND_S`` in ``benchmarks/fit_cost_model.py``.
+constant fitted on the other two models only (leave-one-model-out); the shipped value is
+``VLLM_FRONTEND_S`` in ``benchmarks/fit_cost_model.py``. The H100 GEMM curve's sharpness:
+``--fit-sharpness`` simulates every h100 run at each value of a grid and reports the same
+way (``sharpness_report``); the shipped value is ``SERVING_SHARPNESS`` there.
 
 ``--detail`` adds, for the ``rtx`` run, its percentiles next to LLMServingSim's errors on
 the same run and the running / waiting counts against vLLM's time series.
 
     python benchmarks/sim_validate_vllm.py [--sets h100 rtx] [--runs NAME ...] [--detail]
-        [--json PATH]
+        [--fit-sharpness] [--json PATH]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import json
 import statistics
 import time
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,7 @@ from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.stats import StepRecorder
 from kvloop.executor.simulated import (
     CostModel,
+    HardwareSpec,
     ModelSpec,
     engine_overhead,
     get_hardware_spec,
@@ -75,11 +79,13 @@ MS = {"ttft_mean", "ttft_p50", "decode_per_token"}
 
 
 # -- the H100 development set -----------------------------------------------------------
-def h100_run(path: Path) -> dict[str, Any]:
+def h100_run(path: Path, hw: HardwareSpec | None = None) -> dict[str, Any]:
+    """One run of the H100 set simulated on ``hw`` (default: the ``h100`` preset)."""
     run = json.loads(path.read_text())
     cfg = json.loads((path.parent / run["model_config"]).read_text())
     model = ModelSpec.from_hf_config(cfg, run["model"])
-    hw, tp, va = get_hardware_spec("h100"), int(run["tensor_parallel_size"]), run["vllm_args"]
+    hw = hw if hw is not None else get_hardware_spec("h100")
+    tp, va = int(run["tensor_parallel_size"]), run["vllm_args"]
     w = {k: v for k, v in run["workload"].items()
          if k not in ("generator", "arrivals", "stages", "ignore_eos")}  # the run's notes
     # NOTE: the measured prompt length (re-tokenised random text, chat framing) sets the
@@ -254,6 +260,62 @@ def frontend_report(results: list[dict[str, Any]]) -> None:
               f"{statistics.fmean(errs['ttft_p50']):.1f}%")
 
 
+FIT_METRICS = ("e2e_mean", "decode_per_token")
+"""What the H100 GEMM sharpness is fitted to (mean |error|): the step times it sets. TTFT's
+level is the frontend constant's, refitted after it (``frontend_report``)."""
+SHARPNESS_GRID = (1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)
+SHARPNESS_TIE_PP = 0.1
+"""Errors within this many percentage points of the best are a tie, won by the softest
+curve (the nearest to the profiles')."""
+
+
+def sharpness_report(paths: list[Path]) -> None:
+    """The H100 GEMM curve's sharpness refitted to the h100 runs: each model's mean |error|
+    over ``FIT_METRICS`` and the stages neither side overloaded, at every value of the grid
+    (plus Vidur's profile fit and the shipped value), the value all models choose, and each
+    model's errors at the value the other two choose (leave-one-model-out). The shipped
+    value is ``SERVING_SHARPNESS`` in ``benchmarks/fit_cost_model.py``."""
+    base = get_hardware_spec("h100")
+    shipped = base.efficiency()
+    quality = json.loads(resources.files("kvloop.executor.simulated").joinpath(
+        "data/gpu_profiles.json").read_text(encoding="utf-8"))["fit_quality"]["h100"]
+    grid = sorted({*SHARPNESS_GRID, quality["gemm_profile_sharpness"], shipped.gemm.sharpness})
+    errors: dict[float, dict[str, dict[str, list[float]]]] = {}
+    for n in grid:
+        hw = replace(base, profile=replace(shipped, gemm=replace(shipped.gemm, sharpness=n)))
+        by_model: dict[str, dict[str, list[float]]] = {}
+        for row in (r for p in paths for r in h100_run(p, hw)["rows"]):
+            if row["measured_overloaded"] or row["simulated"]["overloaded"]:
+                continue
+            errs = by_model.setdefault(row["model"], {k: [] for k in FIT_METRICS})
+            for k in FIT_METRICS:
+                errs[k].append(abs(row["simulated"][k] / row["measured"][k] - 1) * 100)
+        errors[n] = by_model
+    models = sorted(errors[grid[0]])
+
+    def score(n: float, among: list[str]) -> float:
+        return statistics.fmean(e for m in among for v in errors[n][m].values() for e in v)
+
+    def fit(among: list[str]) -> float:
+        best = min(score(n, among) for n in grid)
+        return min(n for n in grid if score(n, among) <= best + SHARPNESS_TIE_PP)
+
+    print(f"H100 GEMM sharpness (profile fit {quality['gemm_profile_sharpness']:.2f}, shipped "
+          f"{shipped.gemm.sharpness:.2f}): mean |error| of {', '.join(FIT_METRICS)} per model")
+    print(f"{'n':>6}  " + "  ".join(f"{m:>24}" for m in models) + f"  {'all':>6}")
+    for n in grid:
+        print(f"{n:6.2f}  " + "  ".join(f"{score(n, [m]):23.1f}%" for m in models)
+              + f"  {score(n, models):5.1f}%")
+    print(f"  fitted on every model: {fit(models):.2f} (the softest within "
+          f"{SHARPNESS_TIE_PP} points of the best)")
+    for model in models:
+        others = [m for m in models if m != model]
+        n = fit(others)
+        held = errors[n][model]
+        print(f"  leave out {model}: {n:.2f} from the others; its MAPE " + ", ".join(
+            f"{k} {statistics.fmean(v):.1f}%" for k, v in held.items()))
+
+
 def report(results: list[dict[str, Any]]) -> dict[str, float]:
     print(f"{'run':34}{'rate':>5}  {'TTFT mean':>17}  {'TTFT p50':>17}  {'e2e mean':>17}  "
           f"{'e2e p50':>17}  {'decode/token':>19}  overload")
@@ -299,6 +361,8 @@ def main() -> None:
     ap.add_argument("--detail", action="store_true", help="the rtx run's percentiles and "
                     "time series")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fit-sharpness", action="store_true", help="refit the H100 GEMM "
+                    "sharpness to the h100 runs, with leave-one-model-out errors (slow)")
     args = ap.parse_args()
     results = []
     if "h100" in args.sets:
@@ -310,6 +374,8 @@ def main() -> None:
         results.append(rtx_run(RTX))
     mape = report(results)
     frontend_report(results)
+    if args.fit_sharpness and "h100" in args.sets:
+        sharpness_report(paths)
     if args.detail and "rtx" in args.sets:
         rtx_detail(RTX, results[-1])
     if args.json:

@@ -339,7 +339,8 @@ _C2C = 450e9  # NVLink-C2C per direction (GH200: 900 GB/s summed)
 
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # mem_bytes: the nvidia-smi "Total" of each card, as printed in many public logs.
-    # Efficiency: Vidur's profiled GPUs use their own fits; the others are derived.
+    # Efficiency: Vidur's profiled GPUs use their own fits, H200 and GH200 (the H100's chip)
+    # the H100's; the others are derived.
     "a100-80gb": HardwareSpec(  # A100 datasheet (SXM4 80GB): 312 TF bf16, 2,039 GB/s.
         "a100-80gb", 312e12, 2039e9, 81920 * MiB, _PCIE4, "nvlink3", "a100"
     ),
@@ -349,8 +350,9 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(  # H100 datasheet (SXM5): 989 TF bf16 dense, 3.35 TB/s HBM3.
         "h100", 989.4e12, 3.35e12, 81559 * MiB, _PCIE5, "nvlink4", "h100"
     ),
-    "h200": HardwareSpec(  # H200 datasheet (SXM): H100 compute, 141 GB HBM3e 4.8 TB/s.
-        "h200", 989.4e12, 4.8e12, 143771 * MiB, _PCIE5, "nvlink4"
+    "h200": HardwareSpec(  # H200 datasheet (SXM): the H100 GPU (989 TF bf16 dense) with
+        # 141 GB HBM3e at 4.8 TB/s: the H100's fit, as gh200.
+        "h200", 989.4e12, 4.8e12, 143771 * MiB, _PCIE5, "nvlink4", "h100"
     ),
     "b200": HardwareSpec(  # HGX B200: 2.25 PF bf16 dense (4.5 sparse); HBM3e on a 7,680-bit
         # bus at 3,996 MHz = 7.67 TB/s as the driver reports it (the datasheet's 8 TB/s
