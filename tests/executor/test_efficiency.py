@@ -164,11 +164,16 @@ def test_shipped_interconnects_and_their_tables() -> None:
 
 
 def test_the_custom_allreduce_serves_small_messages_over_nvlink() -> None:
-    """Below 8 MiB over NVLink a step pays vLLM's custom all-reduce (the published H100
+    """Below 8 MiB over NVLink a step pays vLLM's in-graph all-reduce (the published H100
     figures), not Vidur's NCCL times with their launch; PCIe has no custom one."""
     h100 = allreduce_model("nvlink4", 2)
-    assert h100.time(256 << 10) == pytest.approx(7.9e-6)  # published: 7.9 µs at TP 2
+    # published at 2 GPUs: 6.98 µs for 6 x 6144 bf16, 12.98 µs for 138 x 6144
+    assert h100.time(6 * 6144 * 2) == pytest.approx(6.98e-6)
+    assert h100.time(138 * 6144 * 2) == pytest.approx(12.98e-6)
     assert h100.time(256 << 10) < h100.table.time(256 << 10) / 4  # NCCL's: ~42 µs
+    # four GPUs: the bandwidth-bound part grows by the ring factor 2(n-1)/n, 1.5x of two's
+    four = allreduce_model("nvlink4", 4)
+    assert four.time(138 * 6144 * 2) == pytest.approx(6.98e-6 + 1.5 * 6e-6)
     assert h100.time(64 << 20) == pytest.approx(h100.table.time(64 << 20))
     assert allreduce_model("pcie5", 2).custom is None
     # NVLink 3 (A100) is slower, NVLink 5 (B200) faster, on the bandwidth-bound part

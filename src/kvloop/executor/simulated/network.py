@@ -7,9 +7,10 @@ Pure stdlib. Two kinds of measurement, both by message size and worker count:
   A100 DGX, ``nvlink4``: H100 DGX, ``pcie4`` and ``pcie5``: GPUs talking over PCIe, measured
   on NVLink-pair machines where a 4-GPU ring crosses PCIe). Measured through
   ``torch.distributed`` outside CUDA graphs, so their small messages carry a launch.
-* ``data/custom_allreduce.json``: the custom peer-to-peer all-reduce vLLM and SGLang run
-  inside CUDA graphs for messages up to 8 MiB over NVLink (published H100 figures). A step
-  pays the faster of the two, as vLLM picks it.
+* ``data/custom_allreduce.json``: the peer-to-peer all-reduce vLLM runs inside CUDA graphs
+  for messages up to 8 MiB over NVLink (FlashInfer's one-shot kernel, fused with the
+  residual add and RMSNorm; published in-graph H100 figures at 2 GPUs). A step pays the
+  faster of the two, as vLLM picks it.
 
 Times between measured sizes are interpolated log-log; sizes outside a table extrapolate
 linearly in bytes from its last two points (bandwidth-bound) or keep its first time
