@@ -60,11 +60,12 @@ def test_one_call_gives_the_python_loops_logits(shaped: object, dtype: str,
     if dtype == "bfloat16" and quantization is None and not native.bf16_supported():
         assert model.decode_layers is None, "bfloat16 matrices stay oneDNN's without it"
         pytest.skip("no bf16_linear here: no DecodeLayers for bfloat16 matrices")
-    assert model.decode_layers is not None
     # NOTE: a matrix changed in place after the weights moved (onto huge pages, where the OS
     # offers them) after the model built its DecodeLayers: the one call must read the
-    # weights where they are now (the move builds it again), with their new values.
+    # weights where they are now (the move builds it again), with their new values. The
+    # move is adopted first: while a forward adopts it, DecodeLayers is briefly None.
     model.adopt_moved_weights(wait=True)
+    assert model.decode_layers is not None
     weights = model.layers[-1].gate_up.native_operands[1][0]
     weights.copy_(weights.flip(0))
     prompts = [[1, 5, 9, 44, 3], [1, 7, 7, 300, 12, 8, 90, 4, 33, 61], [1, 2, 3]]
