@@ -326,11 +326,13 @@ def main() -> None:
         "checks": check,
     }
     network = {"source": ATTRIBUTION, "interconnects": network_tables(args.vidur)}
-    print(f"{'gpu':8} {'compute':>8} {'memory':>7} {'n':>5} {'GEMM |err| p50':>15} {'p90':>6}")
+    print(f"{'gpu':8} {'compute':>8} {'memory':>7} {'s':>5} {'GEMMs':>6} {'|err| p50':>10} "
+          f"{'p90':>6}")
     for gpu, q in quality.items():
         g = devices[gpu].gemm
         print(f"{gpu:8} {g.compute_fraction:8.3f} {g.memory_fraction:7.3f} {g.sharpness:5.2f} "
-              f"{q['gemm_median_abs_error']:15.1%} {q['gemm_p90_abs_error']:6.1%}   "
+              f"{q['gemm_points']:6d} {q['gemm_median_abs_error']:10.1%} "
+              f"{q['gemm_p90_abs_error']:6.1%}   "
               + " ".join(f"{op} {q[f'{op}_median_abs_error']:.0%}" for op in SMALL_OPS))
         if "gemm_profile_sharpness" in q:
             print(f"{'':8} {'':8} {'':7} {q['gemm_profile_sharpness']:5.2f}   the profile's own "

@@ -302,7 +302,7 @@ def sharpness_report(paths: list[Path]) -> None:
 
     print(f"H100 GEMM sharpness (profile fit {quality['gemm_profile_sharpness']:.2f}, shipped "
           f"{shipped.gemm.sharpness:.2f}): mean |error| of {', '.join(FIT_METRICS)} per model")
-    print(f"{'n':>6}  " + "  ".join(f"{m:>24}" for m in models) + f"  {'all':>6}")
+    print(f"{'s':>6}  " + "  ".join(f"{m:>24}" for m in models) + f"  {'all':>6}")
     for n in grid:
         print(f"{n:6.2f}  " + "  ".join(f"{score(n, [m]):23.1f}%" for m in models)
               + f"  {score(n, models):5.1f}%")

@@ -75,8 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "tensor x data parallel ranks, as vLLM's flag does (default: split every "
                    "expert by tensor parallelism)")
     p.add_argument("--engine-overhead", default=None, metavar="NAME|SECONDS",
-                   help="per-step engine cost: vllm (default with --gpu), kvloop, none, or "
-                   "seconds per step (default with --calibration: the measured one)")
+                   help="per-step engine cost: vllm, kvloop, none, or seconds per step "
+                   "(default: vllm, or with --calibration the measured one)")
     p.add_argument("--calibration", default=None, metavar="PATH",
                    help="a `kvloop profile` file: cost steps on the profiled device instead "
                    "of a --gpu preset (default: none)")
@@ -129,7 +129,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the metrics as JSON (default: none)")
     o.add_argument("--trace-out", default=None, metavar="PATH",
                    help="write one step record per line (JSONL) (default: none)")
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--no-progress", action="store_true",
+                   help="no progress bar while the simulation runs")
     p.set_defaults(func=run)
 
 

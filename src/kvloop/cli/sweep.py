@@ -73,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="CPUs (parallel tasks) of the local Ray (default: all, "
                    f"{os.cpu_count()} here)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar while the tasks run")
     p.set_defaults(func=run)
 
 
