@@ -17,7 +17,7 @@ writes, into ``src/kvloop/executor/simulated/data/``:
 
 Prints the fit quality per GPU and the checks against public end-to-end figures.
 
-    python benchmarks/fit_cost_model.py [--vidur ../shared/calibration/vidur] [--dry-run]
+    python benchmarks/fit_cost_model.py [--vidur ../shared/calibration/vidur] [--dry-run | --check]
 """
 
 from __future__ import annotations
@@ -315,6 +315,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vidur", type=Path, default=ROOT.parent / "shared/calibration/vidur")
     ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when the "
+                    "shipped files differ from what this fit writes")
     args = ap.parse_args()
     devices, quality = fit_devices(args.vidur)
     overhead, check = vllm_overhead(devices)
@@ -350,10 +352,19 @@ def main() -> None:
     print(f"cross-check A100-40GB batch-1 TPOT: predicted "
           f"{check['a100_40gb_predicted_tpot_s'] * 1e3:.2f} ms, measured "
           f"{check['a100_40gb_measured_tpot_s'] * 1e3:.2f} ms")
-    if not args.dry_run:
+    texts = {OUT / "gpu_profiles.json": json.dumps(profiles, indent=1) + "\n",
+             OUT / "network.json": json.dumps(network, indent=1) + "\n"}
+    if args.check:
+        stale = [p.name for p, text in texts.items()
+                 if not p.exists() or p.read_text(encoding="utf-8") != text]
+        if stale:
+            raise SystemExit(f"{', '.join(stale)} differ from this fit: run "
+                             "python benchmarks/fit_cost_model.py")
+        print("the shipped files are this fit's")
+    elif not args.dry_run:
         OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "gpu_profiles.json").write_text(json.dumps(profiles, indent=1) + "\n")
-        (OUT / "network.json").write_text(json.dumps(network, indent=1) + "\n")
+        for path, text in texts.items():
+            path.write_text(text, encoding="utf-8")
         print(f"wrote {OUT / 'gpu_profiles.json'} and {OUT / 'network.json'}")
 
 

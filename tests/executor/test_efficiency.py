@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
+import sys
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +203,17 @@ def test_table_interpolates_log_log_and_extrapolates_linearly() -> None:
     assert table.time(32000) == pytest.approx(8e-5 + (6e-5 / 12000) * 16000)
     with pytest.raises(ValueError, match="ascending"):
         AllReduceTable("toy", 2, (4000, 1000), (1e-5, 2e-5))
+
+
+ROOT = Path(__file__).resolve().parents[2]
+VIDUR = ROOT.parent / "shared/calibration/vidur"
+
+
+@pytest.mark.skipif(not VIDUR.is_dir(), reason="Vidur's public profiles are not beside the repo")
+def test_the_shipped_curves_are_what_the_fit_writes() -> None:
+    """gpu_profiles.json and network.json are benchmarks/fit_cost_model.py's output from
+    Vidur's profiles and its named constants, not edited by hand."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks/fit_cost_model.py"),
+                          "--check", "--vidur", str(VIDUR)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
