@@ -292,6 +292,9 @@ def sharpness_report(paths: list[Path]) -> None:
                 errs[k].append(abs(row["simulated"][k] / row["measured"][k] - 1) * 100)
         errors[n] = by_model
     models = sorted(errors[grid[0]])
+    if not models:
+        print("H100 GEMM sharpness: no stage in which neither side overloaded to fit it on")
+        return
 
     def score(n: float, among: list[str]) -> float:
         return statistics.fmean(e for m in among for v in errors[n][m].values() for e in v)
@@ -308,7 +311,7 @@ def sharpness_report(paths: list[Path]) -> None:
               + f"  {score(n, models):5.1f}%")
     print(f"  fitted on every model: {fit(models):.2f} (the softest within "
           f"{SHARPNESS_TIE_PP} points of the best)")
-    for model in models:
+    for model in models if len(models) > 1 else ():
         others = [m for m in models if m != model]
         n = fit(others)
         held = errors[n][model]
