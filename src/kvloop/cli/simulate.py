@@ -241,7 +241,10 @@ def build_cost_model(
     cost = CostModel(model, hw, tp=tp, overhead=overhead, dp=args.data_parallel_size,
                      expert_parallel=args.enable_expert_parallel)
     name = args.engine_overhead or "vllm"
-    return cost, f"{hw.name}, {cost.efficiency.source.split(' (')[0]}; {name} engine overhead"
+    basis = cost.efficiency.source.split(" (")[0]
+    if isinstance(hw.profile, str) and hw.profile not in (hw.name, "derived"):
+        basis += f", at the {hw.name}'s own peak and bandwidth"
+    return cost, f"{hw.name}, {basis}; {name} engine overhead"
 
 
 def warn_beyond(tables: StepTables, sched: SchedulerConfig) -> None:
