@@ -153,3 +153,16 @@ def test_data_and_expert_parallel_flags(tmp_path, capsys):
         capsys.readouterr().err)
     rc = main(["simulate", "-dp", "2", "--replicas", "2", "--num-requests", "10"])
     assert rc == 2 and "not with --replicas" in capsys.readouterr().err
+
+
+def test_the_cost_model_line_names_the_fit_and_whose_specs(capsys):
+    """A GPU on another part's fit (h200 on the H100's) says it runs at its own specs."""
+    lines = {}
+    for gpu in ("h100", "h200", "l40s"):
+        assert main(["simulate", "--gpu", gpu, "--num-requests", "10", "--no-progress"]) == 0
+        lines[gpu] = next(line for line in capsys.readouterr().out.splitlines()
+                          if line.startswith("cost model:"))
+    assert "H100 operator profiles" in lines["h200"]
+    assert "at the h200's own peak and bandwidth" in lines["h200"]
+    assert "own peak" not in lines["h100"] and "own peak" not in lines["l40s"]
+    assert "derived" in lines["l40s"]
