@@ -107,7 +107,7 @@ SMALL_OPS = ("norm", "rope", "activation", "residual", "embedding")
 # 2025): CPU work per request overlaps the forward pass, so seq_s = 0.
 VLLM_BATCH1 = {"gpu": "h100", "tpot_s": 6.48e-3, "context": 1024}
 # vLLM's server time outside the engine loop (HTTP, tokenization, hand-over to the engine
-# core, detokenization, streaming): the one constant fitted to measured serving runs, the
+# core, detokenization, streaming): a constant fitted to measured serving runs, the
 # H100 development set's (benchmarks/sim_validate_vllm.py refits it and reports its
 # leave-one-model-out error: the median of measured minus simulated TTFT p50).
 VLLM_FRONTEND_S = 8.1e-3
@@ -115,8 +115,8 @@ VLLM_FRONTEND_S = 8.1e-3
 # computing) as vLLM 0.15.1's kernels run it: the second constant fitted to measured
 # serving runs, the H100 development set's (benchmarks/sim_validate_vllm.py --fit-sharpness
 # refits it and reports its leave-one-model-out error). Vidur's 2024 H100 profiles fit a
-# softer transition (their sharpness stays in fit_quality) that charges the decode batches
-# of 32-128 requests 10-17% more GEMM time than at one request; the measured runs' step
+# softer transition (their sharpness stays in fit_quality) that charges a decode batch of
+# 64 / 128 requests 12% / 30% more GEMM time than one request; the measured runs' step
 # times grow with the batch about as the KV reads alone say. The fractions and the launch
 # stay the profile's. Other GPUs keep their profile fits: the RTX PRO 6000 run (derived
 # curve) is best predicted by the profiles' softer average.
