@@ -7,11 +7,12 @@ writes, into ``src/kvloop/executor/simulated/data/``:
 
 - ``gpu_profiles.json``: per profiled GPU, the GEMM soft roofline (compute and memory
   fractions, sharpness) fitted to the QKV, O, gate/up and down GEMMs of every model and TP
-  degree, and one memory-bound fit per small op (norms, RoPE, SwiGLU, residual add,
-  embedding); ``derived``, their average, for GPUs without a profile; the default attention
-  curve (not in Vidur's data: fitted to public causal FlashAttention-3 figures, see
-  ``FA3_CAUSAL_TFLOPS``); and the
-  ``vllm`` engine-overhead preset derived from a public batch-1 decode measurement.
+  degree (the H100's sharpness then replaced by ``SERVING_SHARPNESS``, fitted to measured
+  vLLM runs), and one memory-bound fit per small op (norms, RoPE, SwiGLU, residual add,
+  embedding); ``derived``, the profile fits' average, for GPUs without a profile; the
+  default attention curve (not in Vidur's data: fitted to public causal FlashAttention-3
+  figures, see ``FA3_CAUSAL_TFLOPS``); and the ``vllm`` engine-overhead preset derived from
+  a public batch-1 decode measurement, with ``VLLM_FRONTEND_S`` (fitted to measured runs).
 - ``network.json``: median all-reduce times per interconnect and worker count, condensed
   to at most 24 log-spaced sizes.
 
@@ -311,12 +312,27 @@ ATTRIBUTION = (
 )
 
 
+def _same(shipped: object, fitted: object) -> bool:
+    """``shipped`` (read back from JSON) equals ``fitted``, floats to 1e-9 relative (the
+    last digits of a least-squares fit move with the numpy, scipy and BLAS builds)."""
+    if isinstance(fitted, dict):
+        return (isinstance(shipped, dict) and shipped.keys() == fitted.keys()
+                and all(_same(shipped[k], v) for k, v in fitted.items()))
+    if isinstance(fitted, (list, tuple)):
+        return (isinstance(shipped, list) and len(shipped) == len(fitted)
+                and all(_same(a, b) for a, b in zip(shipped, fitted, strict=True)))
+    if isinstance(fitted, float) and isinstance(shipped, (int, float)):
+        return math.isclose(shipped, fitted, rel_tol=1e-9, abs_tol=1e-15)
+    return shipped == fitted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vidur", type=Path, default=ROOT.parent / "shared/calibration/vidur")
-    ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when the "
-                    "shipped files differ from what this fit writes")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print, write nothing")
+    mode.add_argument("--check", action="store_true", help="write nothing; exit 1 when the "
+                      "shipped files differ from what this fit writes")
     args = ap.parse_args()
     devices, quality = fit_devices(args.vidur)
     overhead, check = vllm_overhead(devices)
@@ -352,19 +368,18 @@ def main() -> None:
     print(f"cross-check A100-40GB batch-1 TPOT: predicted "
           f"{check['a100_40gb_predicted_tpot_s'] * 1e3:.2f} ms, measured "
           f"{check['a100_40gb_measured_tpot_s'] * 1e3:.2f} ms")
-    texts = {OUT / "gpu_profiles.json": json.dumps(profiles, indent=1) + "\n",
-             OUT / "network.json": json.dumps(network, indent=1) + "\n"}
+    fitted = {OUT / "gpu_profiles.json": profiles, OUT / "network.json": network}
     if args.check:
-        stale = [p.name for p, text in texts.items()
-                 if not p.exists() or p.read_text(encoding="utf-8") != text]
+        stale = [p.name for p, data in fitted.items()
+                 if not p.exists() or not _same(json.loads(p.read_text(encoding="utf-8")), data)]
         if stale:
             raise SystemExit(f"{', '.join(stale)} differ from this fit: run "
                              "python benchmarks/fit_cost_model.py")
         print("the shipped files are this fit's")
     elif not args.dry_run:
         OUT.mkdir(parents=True, exist_ok=True)
-        for path, text in texts.items():
-            path.write_text(text, encoding="utf-8")
+        for path, data in fitted.items():
+            path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {OUT / 'gpu_profiles.json'} and {OUT / 'network.json'}")
 
 

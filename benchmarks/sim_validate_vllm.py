@@ -271,27 +271,33 @@ curve (the nearest to the profiles')."""
 
 def sharpness_report(paths: list[Path]) -> None:
     """The H100 GEMM curve's sharpness refitted to the h100 runs: each model's mean |error|
-    over ``FIT_METRICS`` and the stages neither side overloaded, at every value of the grid
-    (plus Vidur's profile fit and the shipped value), the value all models choose, and each
-    model's errors at the value the other two choose (leave-one-model-out). The shipped
-    value is ``SERVING_SHARPNESS`` in ``benchmarks/fit_cost_model.py``."""
+    over ``FIT_METRICS`` and the stages neither side overloaded with the shipped curve, at
+    every value of the grid (plus Vidur's profile fit and the shipped value), the value all
+    models choose, and each model's errors at the value the other two choose
+    (leave-one-model-out). The shipped value is ``SERVING_SHARPNESS`` in
+    ``benchmarks/fit_cost_model.py``."""
     base = get_hardware_spec("h100")
     shipped = base.efficiency()
     quality = json.loads(resources.files("kvloop.executor.simulated").joinpath(
         "data/gpu_profiles.json").read_text(encoding="utf-8"))["fit_quality"]["h100"]
-    grid = sorted({*SHARPNESS_GRID, quality["gemm_profile_sharpness"], shipped.gemm.sharpness})
-    errors: dict[float, dict[str, dict[str, list[float]]]] = {}
+    profile = quality.get("gemm_profile_sharpness", shipped.gemm.sharpness)
+    grid = sorted({*SHARPNESS_GRID, profile, shipped.gemm.sharpness})
+    rows: dict[float, list[dict[str, Any]]] = {}
     for n in grid:
         hw = replace(base, profile=replace(shipped, gemm=replace(shipped.gemm, sharpness=n)))
+        rows[n] = [r for p in paths for r in h100_run(p, hw)["rows"]]
+    # NOTE: one set of stages for every value: those neither side overloaded as shipped
+    kept = {(r["run"], r["rate"]) for r in rows[shipped.gemm.sharpness]
+            if not r["measured_overloaded"] and not r["simulated"]["overloaded"]}
+    errors: dict[float, dict[str, dict[str, list[float]]]] = {}
+    for n in grid:
         by_model: dict[str, dict[str, list[float]]] = {}
-        for row in (r for p in paths for r in h100_run(p, hw)["rows"]):
-            if row["measured_overloaded"] or row["simulated"]["overloaded"]:
-                continue
+        for row in (r for r in rows[n] if (r["run"], r["rate"]) in kept):
             errs = by_model.setdefault(row["model"], {k: [] for k in FIT_METRICS})
             for k in FIT_METRICS:
                 errs[k].append(abs(row["simulated"][k] / row["measured"][k] - 1) * 100)
         errors[n] = by_model
-    models = sorted(errors[grid[0]])
+    models = sorted(errors[shipped.gemm.sharpness])
     if not models:
         print("H100 GEMM sharpness: no stage in which neither side overloaded to fit it on")
         return
@@ -303,7 +309,7 @@ def sharpness_report(paths: list[Path]) -> None:
         best = min(score(n, among) for n in grid)
         return min(n for n in grid if score(n, among) <= best + SHARPNESS_TIE_PP)
 
-    print(f"H100 GEMM sharpness (profile fit {quality['gemm_profile_sharpness']:.2f}, shipped "
+    print(f"H100 GEMM sharpness (profile fit {profile:.2f}, shipped "
           f"{shipped.gemm.sharpness:.2f}): mean |error| of {', '.join(FIT_METRICS)} per model")
     print(f"{'s':>6}  " + "  ".join(f"{m:>24}" for m in models) + f"  {'all':>6}")
     for n in grid:
@@ -377,8 +383,11 @@ def main() -> None:
         results.append(rtx_run(RTX))
     mape = report(results)
     frontend_report(results)
-    if args.fit_sharpness and "h100" in args.sets:
-        sharpness_report(paths)
+    if args.fit_sharpness:
+        if "h100" in args.sets:
+            sharpness_report(paths)
+        else:
+            print("--fit-sharpness fits the H100 curve to the h100 set: add --sets h100")
     if args.detail and "rtx" in args.sets:
         rtx_detail(RTX, results[-1])
     if args.json:

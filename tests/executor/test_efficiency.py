@@ -99,6 +99,11 @@ def test_fit_quality_is_recorded_and_good() -> None:
         assert quality[gpu]["gemm_points"] > 1000
         assert quality[gpu]["gemm_median_abs_error"] < 0.10
         assert abs(quality[gpu]["gemm_median_error_below_ridge"]) < 0.10
+    # NOTE: the H100's shipped sharpness is the serving runs', not its profile's: against the
+    # profile's GEMMs it misses more, and the record says by how much
+    h100 = quality["h100"]
+    assert h100["gemm_profile_sharpness"] != fitted_efficiency("h100").gemm.sharpness
+    assert h100["gemm_median_abs_error"] < h100["gemm_median_abs_error_shipped"] < 0.15
 
 
 def test_efficiency_round_trips_and_rejects_bad_values() -> None:
@@ -167,22 +172,36 @@ def test_shipped_interconnects_and_their_tables() -> None:
 
 
 def test_the_custom_allreduce_serves_small_messages_over_nvlink() -> None:
-    """Below 8 MiB over NVLink a step pays vLLM's in-graph all-reduce (the published H100
+    """Below 8 MiB over NVLink a step pays vLLM's custom all-reduce (the published H100
     figures), not Vidur's NCCL times with their launch; PCIe has no custom one."""
     h100 = allreduce_model("nvlink4", 2)
-    # published at 2 GPUs: 6.98 µs for 6 x 6144 bf16, 12.98 µs for 138 x 6144
-    assert h100.time(6 * 6144 * 2) == pytest.approx(6.98e-6)
-    assert h100.time(138 * 6144 * 2) == pytest.approx(12.98e-6)
+    assert h100.time(256 << 10) == pytest.approx(7.9e-6)  # published: 7.9 µs at TP 2
     assert h100.time(256 << 10) < h100.table.time(256 << 10) / 4  # NCCL's: ~42 µs
-    # four GPUs: the bandwidth-bound part grows by the ring factor 2(n-1)/n, 1.5x of two's
-    four = allreduce_model("nvlink4", 4)
-    assert four.time(138 * 6144 * 2) == pytest.approx(6.98e-6 + 1.5 * 6e-6)
-    assert h100.time(64 << 20) == pytest.approx(h100.table.time(64 << 20))
+    assert h100.time(64 << 20) <= h100.table.time(64 << 20)
     assert allreduce_model("pcie5", 2).custom is None
     # NVLink 3 (A100) is slower, NVLink 5 (B200) faster, on the bandwidth-bound part
     big = 6 << 20
     assert allreduce_model("nvlink3", 2).time(big) > h100.time(big) > allreduce_model(
         "nvlink5", 2).time(big)
+
+
+def test_the_fused_allreduce_serves_hopper_up_to_its_limit_per_gpu_count() -> None:
+    """vLLM's in-graph fused all-reduce (published H100 figures at 2 GPUs: 6.98 µs for
+    6 x 6144 bf16, 12.98 µs for 138 x 6144) takes 64 MiB at 2 GPUs, 2 MiB at 4, 512 KiB
+    at 8; a one-shot all-reduce reads n−1 peers."""
+    two, four, eight = (allreduce_model("nvlink4", n) for n in (2, 4, 8))
+    big = 138 * 6144 * 2
+    assert two.time(big) == pytest.approx(12.98e-6)  # the custom one's: ~30 µs
+    assert two.time(6 * 6144 * 2) < 6.98e-6  # small: the custom one is faster
+    assert four.time(1 << 20) == pytest.approx(6.98e-6 + 3 * (two.time(1 << 20) - 6.98e-6))
+    assert four.time(1 << 20) < allreduce_model("nvlink4", 4, fused=False).time(1 << 20)
+    # past 512 KiB at 8 GPUs vLLM leaves the fused kernel: the custom one's published time
+    assert eight.time(1 << 20) == pytest.approx(33.8e-6)
+    assert eight.time(1 << 20) == allreduce_model("nvlink4", 8, fused=False).time(1 << 20)
+    # only Hopper fuses: A100 (nvlink3) and PCIe never take it, nor 3 or 16 GPUs
+    assert allreduce_model("nvlink3", 2).fused is None
+    assert allreduce_model("pcie5", 2).fused is None
+    assert allreduce_model("nvlink4", 16).fused is None
 
 
 def test_worker_counts_without_a_table_scale_by_the_ring_factor() -> None:

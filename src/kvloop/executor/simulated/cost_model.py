@@ -42,8 +42,8 @@ With expert parallelism (``expert_parallel``, vLLM's ``--enable-expert-parallel`
 ``ep = tp·dp`` ranks each rank holds E/ep whole experts and computes their share of the
 routed rows of every data-parallel rank's tokens (``dp`` ranks, each assumed to run a batch
 like this one); with ``dp > 1`` each MoE layer adds a dispatch and a combine all-to-all of
-the rank's T'·k·H·b bytes, costed as a ring all-reduce of half as many bytes (the traffic an
-all-to-all puts on each GPU).
+the rank's T'·k·H·b bytes, costed as an all-reduce (NCCL's or vLLM's custom one, not the
+fused kernel) of half as many bytes (the traffic an all-to-all puts on each GPU).
 
 Not modelled: speculative decoding, quantized weights, overlap of swaps with compute, the
 vocab-parallel logits gather, pipeline parallelism, skewed routing, load imbalance between
@@ -158,7 +158,8 @@ class CostModel:
             rows = moe.experts_per_token * dp / self.ep if self.ep > 1 else moe.experts_per_token
             act_bytes += self._moe_layers * 3 * (rows * expert + shared)
             self._alltoall: AllReduceModel | None = (
-                allreduce_model(hw.interconnect, self.ep) if self.ep > 1 and dp > 1 else None)
+                allreduce_model(hw.interconnect, self.ep, fused=False)
+                if self.ep > 1 and dp > 1 else None)
         self._vocab_r = math.ceil(model.vocab_size / tp)
         self._b = b
         self._ops_per_token = (
@@ -168,8 +169,9 @@ class CostModel:
             (2 * self._layers, 3 * h * b, eff.residual),
             (1, 2 * h * b, eff.embedding),
         )
+        # NOTE: vLLM fuses the all-reduce with the RMSNorm only with one data-parallel rank
         self._allreduce: AllReduceModel | None = (
-            allreduce_model(hw.interconnect, tp) if tp > 1 else None
+            allreduce_model(hw.interconnect, tp, fused=dp == 1) if tp > 1 else None
         )
         bw, att = hw.mem_bandwidth, eff.attention
         kv_layer = 2 * kv_heads * d * b  # K and V of one token in one layer

@@ -1,16 +1,22 @@
 """All-reduce time for tensor parallelism, from measured tables by message size and workers.
 
-Pure stdlib. Two kinds of measurement, both by message size and worker count:
+Pure stdlib. Three kinds of measurement, all by message size and worker count:
 
 * ``data/network.json``: median NCCL all-reduce times condensed from Vidur's public profiles
   (``benchmarks/fit_cost_model.py`` writes it): one table per interconnect (``nvlink3``:
   A100 DGX, ``nvlink4``: H100 DGX, ``pcie4`` and ``pcie5``: GPUs talking over PCIe, measured
   on NVLink-pair machines where a 4-GPU ring crosses PCIe). Measured through
   ``torch.distributed`` outside CUDA graphs, so their small messages carry a launch.
-* ``data/custom_allreduce.json``: the peer-to-peer all-reduce vLLM runs inside CUDA graphs
-  for messages up to 8 MiB over NVLink (FlashInfer's one-shot kernel, fused with the
-  residual add and RMSNorm; published in-graph H100 figures at 2 GPUs). A step pays the
-  faster of the two, as vLLM picks it.
+* ``data/custom_allreduce.json``: vLLM's own custom peer-to-peer all-reduce over NVLink,
+  for messages up to 8 MiB (published H100 figures at 2, 4 and 8 GPUs, measured outside
+  CUDA graphs, their input copied into the peers' buffer).
+* ``data/fused_allreduce.json``: FlashInfer's one-shot all-reduce fused with the residual
+  add and RMSNorm, which vLLM runs inside its CUDA graphs on Hopper (``nvlink4``) with one
+  data-parallel rank, for messages up to a limit per GPU count (published in-graph H100
+  figures at 2 GPUs). A one-shot all-reduce has each GPU read every peer's message, so at n
+  GPUs its bandwidth-bound part is (n−1) times that at 2.
+
+A step pays the fastest path that takes the message, as vLLM picks one.
 
 Times between measured sizes are interpolated log-log; sizes outside a table extrapolate
 linearly in bytes from its last two points (bandwidth-bound) or keep its first time
@@ -94,7 +100,8 @@ def _scaled(table: AllReduceTable, size: float, workers: int, bw_scale: float) -
 @dataclass(frozen=True)
 class AllReduceModel:
     """All-reduce time of one interconnect at a worker count: the NCCL table, or the custom
-    all-reduce's where it is faster (the module docstring)."""
+    or the fused all-reduce's where it takes the message and is faster (the module
+    docstring)."""
 
     table: AllReduceTable
     num_workers: int
@@ -106,12 +113,22 @@ class AllReduceModel:
     """Scale of the NCCL table's bandwidth-bound part (a derived interconnect)."""
     custom_bw_scale: float = 1.0
     """Scale of the custom table's bandwidth-bound part."""
+    fused: AllReduceTable | None = None
+    """The fused in-graph all-reduce's table (None: not on this interconnect, or off)."""
+    fused_max_bytes: int = 0
+    """Largest message the fused all-reduce takes at this worker count."""
 
     def time(self, size: float) -> float:
         """Seconds to all-reduce ``size`` bytes."""
-        t = _scaled(self.table, size, self.num_workers, self.bw_scale)
+        n = self.num_workers
+        t = _scaled(self.table, size, n, self.bw_scale)
         if self.custom is not None and size <= self.custom_max_bytes:
-            t = min(t, _scaled(self.custom, size, self.num_workers, self.custom_bw_scale))
+            t = min(t, _scaled(self.custom, size, n, self.custom_bw_scale))
+        if self.fused is not None and size <= self.fused_max_bytes:
+            # NOTE: one-shot: each GPU reads the n−1 peers' messages
+            floor = self.fused.times_s[0]
+            peers = (n - 1) / (self.fused.num_workers - 1)
+            t = min(t, floor + max(self.fused.time(size) - floor, 0.0) * peers)
         return t
 
 
@@ -138,9 +155,11 @@ def _nearest(name: str, by_n: dict[str, Any], num_workers: int) -> AllReduceTabl
     return AllReduceTable(name, n, tuple(int(s) for s, _ in tables[n]), tuple(times))
 
 
-def allreduce_model(interconnect: str, num_workers: int) -> AllReduceModel:
+def allreduce_model(interconnect: str, num_workers: int, *, fused: bool = True) -> AllReduceModel:
     """The model of ``interconnect`` at ``num_workers`` from the shipped tables nearest in
-    worker count (see the module docstring); ValueError for an unknown interconnect."""
+    worker count (see the module docstring); ``fused=False`` leaves the fused all-reduce out
+    (vLLM does not fuse with several data-parallel ranks; an all-to-all is not an
+    all-reduce). ValueError for an unknown interconnect."""
     nccl = _data("network.json")["interconnects"]
     custom = _data("custom_allreduce.json")
     base, scale = DERIVED.get(interconnect, (interconnect, 1.0))
@@ -155,6 +174,13 @@ def allreduce_model(interconnect: str, num_workers: int) -> AllReduceModel:
     small = None
     if custom_name in custom["interconnects"]:
         small = _nearest(custom_name, custom["interconnects"][custom_name], num_workers)
+    fused_data = _data("fused_allreduce.json")
+    fused_max = int(fused_data["max_bytes"].get(str(num_workers), 0))
+    in_graph = None
+    if fused and fused_max and interconnect in fused_data["interconnects"]:
+        by_n = fused_data["interconnects"][interconnect]
+        in_graph = _nearest(interconnect, by_n, min(int(k) for k in by_n))
     return AllReduceModel(table, num_workers, small, int(custom["max_bytes"]),
                           bw_scale=1.0 if own_nccl else scale,
-                          custom_bw_scale=1.0 if own_custom else scale)
+                          custom_bw_scale=1.0 if own_custom else scale,
+                          fused=in_graph, fused_max_bytes=fused_max if in_graph else 0)
