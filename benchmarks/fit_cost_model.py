@@ -170,8 +170,10 @@ def compute_points(vidur: Path, gpu: str) -> tuple[dict[str, list], dict[str, li
 def fit_devices(vidur: Path) -> tuple[dict[str, DeviceEfficiency], dict[str, dict]]:
     devices: dict[str, DeviceEfficiency] = {}
     quality: dict[str, dict] = {}
+    points: dict[str, dict[str, np.ndarray]] = {}
     for gpu, (peak, bw) in PROFILED.items():
         gemm, ops = compute_points(vidur, gpu)
+        points[gpu] = {k: np.array(v) for k, v in gemm.items()}
         curve, err = fit_gemm_curve(gemm["flops"], gemm["bytes"], gemm["time"], peak, bw)
         x = (np.array(gemm["flops"]) / np.array(gemm["bytes"])) / (peak / bw)
         q = {
@@ -197,10 +199,8 @@ def fit_devices(vidur: Path) -> tuple[dict[str, DeviceEfficiency], dict[str, dic
     devices["derived"] = derive(list(devices.values()))
     for gpu, n in SERVING_SHARPNESS.items():
         gemm = replace(devices[gpu].gemm, sharpness=n)
-        points, _ = compute_points(vidur, gpu)
-        peak, bw = PROFILED[gpu]
-        err = np.array([gemm.time(f, w, peak, bw) / t - 1 for f, w, t in zip(
-            points["flops"], points["bytes"], points["time"], strict=True)])
+        p = points[gpu]
+        err = gemm.time(p["flops"], p["bytes"], *PROFILED[gpu]) / p["time"] - 1
         quality[gpu]["gemm_profile_sharpness"] = devices[gpu].gemm.sharpness
         quality[gpu]["gemm_median_abs_error_shipped"] = float(np.median(np.abs(err)))
         quality[gpu]["gemm_p90_abs_error_shipped"] = float(np.percentile(np.abs(err), 90))

@@ -269,21 +269,22 @@ SHARPNESS_TIE_PP = 0.1
 curve (the nearest to the profiles')."""
 
 
-def sharpness_report(paths: list[Path]) -> None:
+def sharpness_report(paths: list[Path], shipped_rows: list[dict[str, Any]]) -> None:
     """The H100 GEMM curve's sharpness refitted to the h100 runs: each model's mean |error|
     over ``FIT_METRICS`` and the stages neither side overloaded with the shipped curve, at
     every value of the grid (plus Vidur's profile fit and the shipped value), the value all
     models choose, and each model's errors at the value the other two choose
     (leave-one-model-out). The shipped value is ``SERVING_SHARPNESS`` in
-    ``benchmarks/fit_cost_model.py``."""
+    ``benchmarks/fit_cost_model.py``; ``shipped_rows`` are the runs' rows with it, already
+    simulated."""
     base = get_hardware_spec("h100")
     shipped = base.efficiency()
     quality = json.loads(resources.files("kvloop.executor.simulated").joinpath(
         "data/gpu_profiles.json").read_text(encoding="utf-8"))["fit_quality"]["h100"]
     profile = quality.get("gemm_profile_sharpness", shipped.gemm.sharpness)
     grid = sorted({*SHARPNESS_GRID, profile, shipped.gemm.sharpness})
-    rows: dict[float, list[dict[str, Any]]] = {}
-    for n in grid:
+    rows: dict[float, list[dict[str, Any]]] = {shipped.gemm.sharpness: shipped_rows}
+    for n in (v for v in grid if v != shipped.gemm.sharpness):
         hw = replace(base, profile=replace(shipped, gemm=replace(shipped.gemm, sharpness=n)))
         rows[n] = [r for p in paths for r in h100_run(p, hw)["rows"]]
     # NOTE: one set of stages for every value: those neither side overloaded as shipped
@@ -385,7 +386,7 @@ def main() -> None:
     frontend_report(results)
     if args.fit_sharpness:
         if "h100" in args.sets:
-            sharpness_report(paths)
+            sharpness_report(paths, [r for res in results[:len(paths)] for r in res["rows"]])
         else:
             print("--fit-sharpness fits the H100 curve to the h100 set: add --sets h100")
     if args.detail and "rtx" in args.sets:

@@ -86,15 +86,20 @@ DERIVED: dict[str, tuple[str, float]] = {
 for the tables an interconnect lacks (nvlink3 has NCCL tables of its own, no custom ones)."""
 
 
-def _scaled(table: AllReduceTable, size: float, workers: int, bw_scale: float) -> float:
-    """``table`` at ``size``, its bandwidth-bound part scaled by the ring factor of
-    ``workers`` against the table's and by ``bw_scale`` (the latency floor unscaled)."""
+def _scaled(table: AllReduceTable, size: float, scale: float) -> float:
+    """``table`` at ``size``, its bandwidth-bound part (above the first, latency-bound
+    entry) times ``scale``."""
     base = table.time(size)
-    scale = bw_scale * _ring(workers) / _ring(table.num_workers)
     if scale == 1.0:
         return base
     floor = table.times_s[0]
     return floor + max(base - floor, 0.0) * scale
+
+
+def _ring_scaled(table: AllReduceTable, size: float, workers: int, bw_scale: float) -> float:
+    """``table`` at ``size`` for ``workers``: its bandwidth-bound part scaled by the ring
+    factor of ``workers`` against the table's and by ``bw_scale``."""
+    return _scaled(table, size, bw_scale * _ring(workers) / _ring(table.num_workers))
 
 
 @dataclass(frozen=True)
@@ -121,14 +126,12 @@ class AllReduceModel:
     def time(self, size: float) -> float:
         """Seconds to all-reduce ``size`` bytes."""
         n = self.num_workers
-        t = _scaled(self.table, size, n, self.bw_scale)
+        t = _ring_scaled(self.table, size, n, self.bw_scale)
         if self.custom is not None and size <= self.custom_max_bytes:
-            t = min(t, _scaled(self.custom, size, n, self.custom_bw_scale))
+            t = min(t, _ring_scaled(self.custom, size, n, self.custom_bw_scale))
         if self.fused is not None and size <= self.fused_max_bytes:
             # NOTE: one-shot: each GPU reads the n−1 peers' messages
-            floor = self.fused.times_s[0]
-            peers = (n - 1) / (self.fused.num_workers - 1)
-            t = min(t, floor + max(self.fused.time(size) - floor, 0.0) * peers)
+            t = min(t, _scaled(self.fused, size, (n - 1) / (self.fused.num_workers - 1)))
         return t
 
 
